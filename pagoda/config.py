@@ -1,0 +1,46 @@
+"""Typed engine configuration, with vLLM's argument names and defaults where they exist."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    dtype: str = "auto"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's context length, capped at 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # per-request cap on prefill tokens per step; 0: none
+    scheduling_policy: str = "fcfs"  # or "priority"
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None: a default for the device
+    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (wins over memory sizing)
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,194 @@
+"""The engine core: model, KV cache, scheduler and runner, and the one loop that drives them.
+
+Each `step()` takes the scheduler's decision, runs it, feeds the sampled tokens back and returns
+plain `EngineCoreOutput`s (token ids, no text). The core runs in-process for `LLM` and in its own
+process behind the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.config import EngineArgs
+from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.exec.model_runner import ModelRunner
+from pagoda.exec.paged_attention import PagedKVCache
+from pagoda.kv.manager import KVCacheManager
+from pagoda.model.loader import LoadedModel, load_model
+from pagoda.sched.config import SchedulerConfig
+from pagoda.sched.request import Request, RequestStatus
+from pagoda.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+_MAX_DEFAULT_MODEL_LEN = 8192
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_blocks: int
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        self.args = args
+        self.device = pick_device(args.device)
+        torch.manual_seed(args.seed)
+        self.loaded = loaded or load_model(args.model, args.dtype, self.device)
+        config = self.loaded.config
+        self.max_model_len = args.max_model_len or min(
+            getattr(config, "max_position_embeddings", 2048), _MAX_DEFAULT_MODEL_LEN
+        )
+        self.kv_cache = self._make_kv_cache()
+        self.kv_manager = KVCacheManager(
+            self.kv_cache.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching
+        )
+        # Without chunking a prompt must fit one step.
+        budget = args.max_num_batched_tokens
+        if not args.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                policy=args.scheduling_policy,
+            ),
+            self.kv_manager,
+        )
+        self.runner = ModelRunner(
+            self.loaded.model,
+            self.kv_cache,
+            vocab_size=config.vocab_size,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
+        # Requests waiting for another request's prompt to be computed (n > 1 siblings).
+        self._deferred: dict[str, list[Request]] = {}
+        self.num_steps = 0
+
+    def _make_kv_cache(self) -> PagedKVCache:
+        args, cfg = self.args, self.loaded.config
+        num_kv_heads = cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_block = PagedKVCache.bytes_per_block(
+            cfg.num_hidden_layers, args.block_size, num_kv_heads, head_dim, self.loaded.dtype
+        )
+        if args.num_gpu_blocks_override:
+            num_blocks = args.num_gpu_blocks_override
+        else:
+            budget = args.kv_cache_memory
+            if budget is None:
+                if self.device.type == "cuda":
+                    free, total = torch.cuda.mem_get_info(self.device)
+                    budget = int(free - (1 - args.gpu_memory_utilization) * total)
+                else:
+                    budget = _DEFAULT_CPU_KV_BYTES
+            num_blocks = budget // per_block
+        if num_blocks < 2:
+            raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, args.block_size, num_blocks * per_block / 2**20)
+        return PagedKVCache(
+            cfg.num_hidden_layers, num_blocks, args.block_size, num_kv_heads, head_dim, self.loaded.dtype, self.device
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        extra = (req.cache_salt,) if req.cache_salt else ()
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time or time.time(),
+            priority=req.priority,
+            extra_keys=extra,
+        )
+        leader = req.share_prompt_with
+        if leader is not None and self.kv_manager.enable_prefix_caching and leader in self.scheduler.requests:
+            lead = self.scheduler.requests[leader]
+            if lead.num_computed_tokens < lead.num_prompt_tokens:
+                self._deferred.setdefault(leader, []).append(request)
+                return
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        for leader, followers in list(self._deferred.items()):
+            self._deferred[leader] = [r for r in followers if r.request_id not in ids]
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: list[str]) -> None:
+        """End requests that the front end stopped (a stop string matched)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or any(self._deferred.values())
+
+    def _release_deferred(self) -> None:
+        for leader in list(self._deferred):
+            lead = self.scheduler.requests.get(leader)
+            if lead is None or lead.num_computed_tokens >= lead.num_prompt_tokens:
+                for request in self._deferred.pop(leader):
+                    self.scheduler.add_request(request)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        if self._deferred:
+            self._release_deferred()
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return []
+        result = self.runner.execute(so)
+        before = {s.request_id: len(s.request.output_token_ids) for s in so.scheduled}
+        changed = self.scheduler.update(so, result.sampled_token_ids)
+        self.num_steps += 1
+        outputs = []
+        for request in changed:
+            rid = request.request_id
+            # Stop handling may cut tokens of a multi-token step: report what was appended.
+            new_ids = request.output_token_ids[before[rid]:]
+            lp = result.logprobs.get(rid)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=list(new_ids),
+                    new_logprobs=[lp] if lp is not None and new_ids else None,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting + sum(len(v) for v in self._deferred.values()),
+            kv_usage=s.kv_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_blocks=self.kv_cache.num_blocks,
+        )

@@ -1,0 +1,178 @@
+"""The model runner: turns one scheduling step into a flattened batch, runs the model and samples.
+
+Per-request state (its row in a persistent block-table array, its seeded generator) lives here
+between steps, so a decode step only copies the blocks that are new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagoda.exec.attn_metadata import PagedAttentionMetadata
+from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
+from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
+from pagoda.model.attention import AttentionContext
+from pagoda.sched.output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> (token ids, logprobs): the sampled token first, then the top-N alternatives.
+    logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+
+
+class _BlockTables:
+    """A [max_rows, max_blocks] array of block ids with one row per live request."""
+
+    def __init__(self, max_rows: int, max_blocks: int) -> None:
+        self.table = np.zeros((max_rows, max_blocks), dtype=np.int64)
+        self.lens = np.zeros(max_rows, dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+
+    def row(self, s: ScheduledRequest) -> int:
+        row = self.row_of.get(s.request_id)
+        if row is None or s.is_new:
+            if row is None:
+                row = self.free_rows.pop()
+                self.row_of[s.request_id] = row
+            self.lens[row] = 0
+        have, nb = int(self.lens[row]), len(s.block_ids)
+        if nb > have:
+            self.table[row, have:nb] = s.block_ids[have:]
+            self.lens[row] = nb
+        return row
+
+    def drop(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.lens[row] = 0
+            self.free_rows.append(row)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        vocab_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.backend = TorchPagedAttention(kv_cache)
+        self.sampler = Sampler()
+        max_blocks = (max_model_len + self.block_size - 1) // self.block_size
+        # Rows for running requests plus those finishing in the same step as others are admitted.
+        self.block_tables = _BlockTables(2 * max_num_seqs, max_blocks)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _forget(self, request_ids: list[str], keep_generator: bool = False) -> None:
+        for rid in request_ids:
+            self.block_tables.drop(rid)
+            if not keep_generator:
+                self.generators.pop(rid, None)
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        seed = s.request.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(s.request_id)
+        if gen is None:
+            gen = make_generator(seed, self.device)
+            self.generators[s.request_id] = gen
+        return gen
+
+    def prepare(self, so: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+        # Decodes first: the backend runs them as one batched attention.
+        decodes = [s for s in so.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in so.scheduled if s.num_new_tokens != 1]
+        order = decodes + prefills
+        bs = self.block_size
+        rows = [self.block_tables.row(s) for s in order]
+        table = self.block_tables.table
+        if not prefills:
+            # Pure decode: one token per request, built without per-request arrays.
+            starts = np.fromiter((s.num_computed_tokens for s in order), dtype=np.int64, count=len(order))
+            tokens = [s.request.all_token_ids[s.num_computed_tokens] for s in order]
+            positions = starts
+            slots = table[rows, starts // bs] * bs + starts % bs
+            query_lens = np.ones(len(order), dtype=np.int64)
+        else:
+            tokens = []
+            pos_parts, slot_parts = [], []
+            for s, row in zip(order, rows):
+                c, n = s.num_computed_tokens, s.num_new_tokens
+                tokens.extend(s.request.all_token_ids[c : c + n])
+                pos = np.arange(c, c + n, dtype=np.int64)
+                pos_parts.append(pos)
+                slot_parts.append(table[row, pos // bs] * bs + pos % bs)
+            positions = np.concatenate(pos_parts)
+            slots = np.concatenate(slot_parts)
+            query_lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=len(order))
+        seq_lens = np.fromiter(
+            (s.num_computed_tokens + s.num_new_tokens for s in order), dtype=np.int64, count=len(order)
+        )
+        qsl = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        max_seq = int(seq_lens.max())
+        nb = (max_seq + bs - 1) // bs
+        dev = self.device
+        meta = PagedAttentionMetadata(
+            num_decodes=len(decodes),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_tables=torch.from_numpy(table[rows, :nb]).to(dev),
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_seq_len=max_seq,
+            block_size=bs,
+        )
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        return order, input_ids, torch.from_numpy(positions).to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._forget(so.finished_request_ids)
+        # A preempted request keeps its generator so that, resumed, it draws what it would have.
+        self._forget(so.preempted_request_ids, keep_generator=True)
+        out = ModelRunnerOutput()
+        if not so.scheduled:
+            return out
+        order, input_ids, positions, meta = self.prepare(so)
+        hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
+        sampling = [i for i, s in enumerate(order) if s.samples]
+        if not sampling:
+            return out  # every request is mid-prompt: nothing to sample
+        last_rows = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[last_rows])
+        reqs = [order[i] for i in sampling]
+        sampling_meta = SamplingMetadata.build(
+            [s.request.sampling_params for s in reqs],
+            [s.request.prompt_token_ids for s in reqs],
+            [s.request.output_token_ids for s in reqs],
+            [self._generator(s) for s in reqs],
+            self.vocab_size,
+            self.device,
+        )
+        result = self.sampler(logits, sampling_meta)
+        token_ids = result.token_ids.tolist()
+        for s, tok in zip(reqs, token_ids):
+            out.sampled_token_ids[s.request_id] = [tok]
+        if result.logprobs is not None:
+            lps, ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
+            for row, s in enumerate(reqs):
+                n = s.request.sampling_params.logprobs
+                if n is not None:
+                    out.logprobs[s.request_id] = (ids[row][: 1 + n], lps[row][: 1 + n])
+        return out

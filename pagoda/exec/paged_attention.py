@@ -1,0 +1,107 @@
+"""Paged attention in PyTorch: K/V written by slot mapping, ragged queries attending over block tables.
+
+Decodes (one query per request) go through one batched scaled_dot_product_attention over K/V gathered
+by block table; each prefill chunk is one SDPA call (few per step, bounded by the token budget). A chunk
+with no earlier context attends over its own fresh K/V without touching the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.exec.attn_metadata import PagedAttentionMetadata
+
+
+class PagedKVCache:
+    """Per-layer K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tensor[idx, 0], self.tensor[idx, 1]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new K/V rows at their slots; the caller has dropped padding rows (slot -1)."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slots, k)
+    flat_v.index_copy_(0, slots, v)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[B, max_blocks] block tables -> [B, seq_len, H, D] contiguous K or V."""
+    b, nb = block_tables.shape
+    gathered = cache[block_tables]  # [B, nb, bs, H, D]
+    return gathered.view(b, nb * cache.shape[1], *cache.shape[2:])[:, :seq_len]
+
+
+class TorchPagedAttention:
+    """The CPU (and fallback) paged attention backend."""
+
+    def __init__(self, kv_cache: PagedKVCache) -> None:
+        self.kv_cache = kv_cache
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache.layer(layer_idx)
+        num_tokens = meta.slot_mapping.shape[0]
+        # Padding rows (beyond the real tokens) write nothing and their outputs are never read.
+        write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in range(nd, meta.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, lens[i], scale)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+        nd = q.shape[0]
+        lens = meta.seq_lens[:nd]
+        max_len = max(meta.seq_lens_cpu[:nd])
+        tables = meta.block_tables[:nd, : (max_len + meta.block_size - 1) // meta.block_size]
+        keys = gather_kv(k_cache, tables, max_len).transpose(1, 2)  # [B, H, S, D]
+        values = gather_kv(v_cache, tables, max_len).transpose(1, 2)
+        mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens.unsqueeze(1)).view(nd, 1, 1, max_len)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.squeeze(2)
+
+    def _prefill(self, q, k_new, v_new, k_cache, v_cache, meta, i: int, seq_len: int, scale: float) -> torch.Tensor:
+        n = q.shape[0]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if seq_len == n:
+            # No earlier context: attend over the fresh K/V directly with a causal mask.
+            keys = k_new.transpose(0, 1).unsqueeze(0)
+            values = v_new.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            nb = (seq_len + meta.block_size - 1) // meta.block_size
+            table = meta.block_tables[i : i + 1, :nb]
+            keys = gather_kv(k_cache, table, seq_len).transpose(1, 2)
+            values = gather_kv(v_cache, table, seq_len).transpose(1, 2)
+            ctx = seq_len - n
+            mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)

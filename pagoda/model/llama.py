@@ -1,0 +1,174 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on pagoda's layers, over a flattened token batch.
+
+One class serves the family; architecture differences are flags read from the config: QKV bias
+(Qwen2, or `attention_bias`), per-head q/k RMSNorm (Qwen3), tied embeddings.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from pagoda.model.attention import AttentionContext
+from pagoda.model.errors import ModelLoadError
+from pagoda.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+
+
+def rope_parameters(config) -> dict:
+    """Rotary settings whichever way the config spells them (transformers 5 `rope_parameters`, or older)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn(self.layer_idx, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, h: torch.Tensor, cos, sin, attn: AttentionContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(head_dim, rope_parameters(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn)
+        return self.norm(h)
+
+
+# checkpoint name suffix -> (our parameter suffix, shard index within the merged parameter)
+_MERGED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
+
+    def __init__(self, config, architecture: str = "LlamaForCausalLM") -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        qk_norm = architecture == "Qwen3ForCausalLM"
+        self.model = LlamaModel(config, qkv_bias, qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        """input_ids, positions: [T] for the step's flattened tokens; returns hidden states [T, H]."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def _shard_sizes(self, merged: str) -> list[int]:
+        attn = self.model.layers[0].self_attn
+        if merged == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.config.intermediate_size
+        return [inter, inter]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Copy (name, tensor) pairs with Hugging Face names into the merged parameters, one at a time."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, offset, rows = name, 0, None
+            parts = name.rsplit(".", 2)
+            if len(parts) == 3 and parts[1] in _MERGED:
+                merged, shard = _MERGED[parts[1]]
+                target = f"{parts[0]}.{merged}.{parts[2]}"
+                sizes = self._shard_sizes(merged)
+                offset, rows = sum(sizes[:shard]), sizes[shard]
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(f"{source}: unexpected tensor {name!r} for this architecture")
+            dest = param.data if rows is None else param.data.narrow(0, offset, rows)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{target}#{offset}")
+        expected = set()
+        for pname in params:
+            base = pname.rsplit(".", 2)
+            if len(base) == 3 and base[1] in ("qkv_proj", "gate_up_proj"):
+                sizes = self._shard_sizes(base[1])
+                expected.update(f"{pname}#{sum(sizes[:i])}" for i in range(len(sizes)))
+            else:
+                expected.add(f"{pname}#0")
+        missing = sorted(expected - loaded)
+        if missing:
+            names = ", ".join(m.split("#")[0] for m in missing[:5])
+            raise ModelLoadError(f"{source}: missing tensor(s) {names}{' ...' if len(missing) > 5 else ''}")

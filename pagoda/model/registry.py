@@ -1,0 +1,26 @@
+"""Which model class serves which `architectures` entry of a config."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagoda.model.errors import ModelLoadError
+from pagoda.model.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def resolve_architecture(config, source: str) -> tuple[str, type[nn.Module]]:
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return arch, MODEL_REGISTRY[arch]
+    raise ModelLoadError(
+        f"{source}: unsupported architecture {archs or 'none given'}; "
+        f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    )

@@ -1,0 +1,1 @@
+"""Layer package: see DESIGN.md."""
