@@ -17,6 +17,12 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

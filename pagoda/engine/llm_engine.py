@@ -10,7 +10,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.model.loader import load_tokenizer
+from pagoda.model.loader import LoadedModel, load_tokenizer
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -27,10 +27,12 @@ def eos_token_id_of(tokenizer, config) -> int | None:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, tokenizer: Any = "auto") -> None:
+        """`loaded` and `tokenizer` reuse an already loaded model (tests build many engines on one);
+        tokenizer=None runs on token ids alone."""
         self.args = args
-        self.core = EngineCore(args)
-        self.tokenizer = load_tokenizer(self.core.loaded.source)
+        self.core = EngineCore(args, loaded)
+        self.tokenizer = load_tokenizer(self.core.loaded.source) if tokenizer == "auto" else tokenizer
         self.eos_token_id = eos_token_id_of(self.tokenizer, self.core.loaded.config)
         self.processor = OutputProcessor(self.tokenizer)
         self.max_model_len = self.core.max_model_len

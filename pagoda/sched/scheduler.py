@@ -1,0 +1,310 @@
+"""The scheduler: every step, which requests advance and by how many tokens.
+
+One loop, no prefill/decode phases: each request's num_computed_tokens catches up with its
+num_tokens. A step spends the token budget on running requests first (decodes and ongoing prefill
+chunks, in admission order), then admits waiting requests in policy order. When the KV pool is full
+it preempts by recompute. update() takes the sampled tokens back, applies stop conditions and frees
+finished requests.
+
+Each schedule() must be followed by exactly one update() with that output before the next
+schedule(): num_computed_tokens only advances in update().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagoda.kv.manager import KVCacheManager
+from pagoda.sched.config import SchedulerConfig
+from pagoda.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from pagoda.sched.queues import make_waiting_queue
+from pagoda.sched.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = make_waiting_queue(config.policy)
+        self.running: list[Request] = []  # admission order
+        self._finished_ids: list[str] = []  # since the last schedule()
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        n = request.num_prompt_tokens
+        max_len = self.config.max_model_len
+        if n == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if n > max_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds max_model_len {max_len}")
+        # A request that can never fit in the whole pool would be preempted and resumed forever.
+        max_tokens = request.max_tokens
+        longest = max_len if max_tokens is None else min(n + max_tokens, max_len)
+        need = -(-longest // self.kv.block_size)
+        if need > self.kv.num_usable_blocks:
+            raise ValueError(
+                f"request {rid!r} may need {need} KV blocks, the pool has {self.kv.num_usable_blocks}"
+            )
+        self.kv.bind(request)
+        # max_tokens and max_model_len folded into one cap on output tokens, checked per token.
+        request._stop_spec = request._stop_spec[:3] + (longest - n,)
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.push(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (a stop string matched, an abort). Unknown ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        # Deduplicated, in the caller's order (finished_request_ids reports them in that order).
+        ids = dict.fromkeys(rid for rid in request_ids if rid in self.requests)
+        if not ids:
+            return
+        ended = [self.requests[rid] for rid in ids]
+        if any(r.status is _RUNNING for r in ended):
+            self.running = [r for r in self.running if r.request_id not in ids]
+        if any(r.status is not _RUNNING for r in ended):
+            self.waiting.remove_all(ids)
+        for request in ended:
+            self._finish(request, status)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Common end of a request; the caller has taken it out of running/waiting."""
+        request.status = status
+        request.finish_reason = status.finish_reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    # -- counts ------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def stats(self) -> SchedulerStats:
+        pc = self.kv.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv
+        budget = cfg.max_num_batched_tokens
+        cap = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        scheduled = out.scheduled
+        num_scheduled = out.num_scheduled_tokens
+        running = self.running
+
+        # 1. Running requests: decodes and unfinished prefill chunks.
+        bs = kv.block_size
+        tables = kv.req_to_block_ids
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            rid = request.request_id
+            num_computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - num_computed
+            if num_new <= 0:
+                i += 1  # nothing known to compute (no token was sampled for it yet)
+                continue
+            if cap and num_new > cap:
+                num_new = cap
+            if num_new > budget:
+                num_new = budget
+            block_ids = tables[rid]
+            if num_computed + num_new <= len(block_ids) * bs:
+                new_block_ids: list[int] | None = []  # decode inside its last block: no call needed
+            else:
+                num_preempted = len(out.preempted_request_ids)
+                new_block_ids, i = self._allocate_or_preempt(request, num_new, i, out)
+                if len(out.preempted_request_ids) != num_preempted:
+                    # Victims scheduled earlier in this step gave their tokens back.
+                    budget = cfg.max_num_batched_tokens - sum(num_scheduled.values())
+                if new_block_ids is None:
+                    continue  # the request preempted itself; running[i] is now the next one
+            scheduled.append(
+                ScheduledRequest(request, num_computed, num_new, new_block_ids, block_ids[:], False)
+            )
+            num_scheduled[rid] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Admit waiting requests, unless this step had to preempt (the pool is full).
+        if not out.preempted_request_ids:
+            budget = self._admit(out, budget, cap)
+
+        out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
+        return out
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, index: int, out: SchedulerOutput
+    ) -> tuple[list[int] | None, int]:
+        """Allocate for running[index], preempting victims until it fits.
+
+        Returns (new block ids, or None when the request itself was preempted; the index in
+        running of the request, or of the next one to consider when it was preempted).
+        """
+        running = self.running
+        while True:
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids, index
+            victim = self._pick_victim()
+            vi = len(running) - 1 if victim is running[-1] else running.index(victim)
+            del running[vi]
+            if vi < index:
+                # Scheduled earlier in this step: take it back out of the batch.
+                index -= 1
+                out.num_scheduled_tokens.pop(victim.request_id, None)
+                out.scheduled[:] = [s for s in out.scheduled if s.request is not victim]
+            self._preempt(victim, out)
+            if victim is request:
+                return None, index
+
+    def _admit(self, out: SchedulerOutput, budget: int, cap: int) -> int:
+        cfg = self.config
+        kv = self.kv
+        waiting = self.waiting
+        running = self.running
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            request = waiting.peek()
+            # Waiting requests hold no blocks and num_computed_tokens == 0 (also after preemption).
+            hits, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if cap and num_new > cap:
+                num_new = cap
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break  # the head blocks the queue: no skipping ahead
+                num_new = budget
+            new_block_ids = kv.allocate_slots(request, num_new, hits)
+            if new_block_ids is None:
+                break  # no room; later requests wait too (no skipping)
+            waiting.pop()
+            running.append(request)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = _RUNNING
+            out.scheduled.append(
+                ScheduledRequest(
+                    request, num_hit, num_new, new_block_ids,
+                    kv.req_to_block_ids[request.request_id][:], True,
+                )
+            )
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            # Lowest priority (largest value), then latest arrival; among equals the latest
+            # admitted (max() keeps the first maximum it meets, and we walk from the end).
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]  # FCFS: the last admitted
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute preemption: free the blocks, keep every token, wait at the front."""
+        self.kv.free(request)  # publishes its computed full blocks first: the resume can hit them
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_preempted(request)
+        out.preempted_request_ids.append(request.request_id)
+
+    # -- after the forward pass -------------------------------------------------------------
+    def update(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, stop and free. Returns the requests
+        that got tokens this step (finished ones included)."""
+        kv = self.kv
+        caching = kv.enable_prefix_caching
+        bs = kv.block_size
+        num_cached = kv.num_cached_blocks
+        changed: list[Request] = []
+        finished: list[Request] = []
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            if request.status is not _RUNNING:
+                continue  # aborted or finished between schedule() and update()
+            request.num_computed_tokens += sched.num_new_tokens
+            if caching and request.num_computed_tokens // bs > num_cached[request.request_id]:
+                kv.cache_blocks(request)
+            if request.num_computed_tokens < sched.num_tokens:
+                continue  # mid-prompt chunk: its sampled token (if any) is meaningless
+            token_ids = sampled_token_ids.get(request.request_id)
+            if not token_ids:
+                continue
+            status = self._append_and_check_stop(request, token_ids)
+            changed.append(request)
+            if status is not None:
+                request.status = status
+                finished.append(request)
+        if finished:
+            ids = {r.request_id for r in finished}
+            self.running = [r for r in self.running if r.request_id not in ids]
+            for request in finished:
+                self._finish(request, request.status)
+        return changed
+
+    @staticmethod
+    def _append_and_check_stop(request: Request, token_ids: list[int]) -> RequestStatus | None:
+        """Append tokens one at a time, stopping at the first stop condition (later ones are cut).
+
+        Order per token: EOS (unless ignore_eos), stop token ids, then length (max_tokens or
+        max_model_len); EOS and stop tokens only count once min_tokens outputs exist.
+        """
+        eos, stop_ids, min_tokens, max_output = request._stop_spec
+        output = request.output_token_ids
+        all_ids = request.all_token_ids
+        block_size = request._block_size
+        hashes = request.block_hashes
+        for token in token_ids:
+            # Request.append_output_token_ids, inlined: this is the per-token hot path.
+            output.append(token)
+            all_ids.append(token)
+            if block_size and len(all_ids) >= (len(hashes) + 1) * block_size:
+                request._hash_new_full_blocks()
+            n_out = len(output)
+            if n_out >= min_tokens and (token == eos or token in stop_ids):
+                if token != eos:
+                    request.stop_reason = token
+                return _STOPPED
+            if n_out >= max_output:
+                return _LENGTH
+        return None
