@@ -137,10 +137,12 @@ class EngineCore:
         for leader, followers in list(self._deferred.items()):
             self._deferred[leader] = [r for r in followers if r.request_id not in ids]
         self.scheduler.abort_requests(request_ids)
+        self.runner.release(request_ids)
 
     def finish_requests(self, request_ids: list[str]) -> None:
         """End requests that the front end stopped (a stop string matched)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        self.runner.release(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or any(self._deferred.values())
@@ -163,6 +165,9 @@ class EngineCore:
         before = {s.request_id: len(s.request.output_token_ids) for s in so.scheduled}
         changed = self.scheduler.update(so, result.sampled_token_ids)
         self.num_steps += 1
+        ended = [r.request_id for r in changed if r.finish_reason is not None]
+        if ended:
+            self.runner.release(ended)
         outputs = []
         for request in changed:
             rid = request.request_id

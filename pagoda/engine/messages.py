@@ -29,6 +29,78 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
 
 
+# -- between the API process and the engine-core process (pagoda.engine.core_proc) -------------------
+# Inputs travel as two ZMQ frames: a one-byte kind (EngineCoreRequestType) and the msgpack payload:
+# ADD -> EngineCoreRequest, ABORT and FINISH -> list[str] of core request ids, UTILITY -> UtilityRequest,
+# SHUTDOWN -> empty. Outputs travel as one frame, always an EngineCoreOutputs.
+
+
+class EngineCoreRequestType:
+    ADD = b"A"
+    ABORT = b"B"
+    FINISH = b"F"  # a stop string matched in the front end
+    UTILITY = b"U"
+    SHUTDOWN = b"S"
+
+
+class EngineCoreStats(msgspec.Struct, omit_defaults=True):
+    """A snapshot of the core's scheduler and KV cache, sent with every batch of outputs."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_blocks: int = 0
+    num_usable_blocks: int = 0
+    num_free_blocks: int = 0
+    num_steps: int = 0
+    num_aborted_requests: int = 0  # aborts that found the request still in the core
+    pid: int = 0
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    method: str
+    args: list = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: object = None
+    error: str | None = None
+
+
+class EngineCoreReady(msgspec.Struct, omit_defaults=True):
+    """What the front end needs to know about the loaded model, sent once the core is ready."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    num_usable_blocks: int
+    block_size: int
+    model_name: str
+    architecture: str = ""
+    dtype: str = ""
+    device: str = ""
+    eos_token_id: int | None = None  # from the model config; the tokenizer's EOS wins when it has one
+    pid: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    """Everything the core process sends: one step's outputs, and/or a utility reply, readiness,
+    requests it refused, or why it failed."""
+
+    outputs: list[EngineCoreOutput] = []
+    stats: EngineCoreStats | None = None
+    utility: UtilityResult | None = None
+    ready: EngineCoreReady | None = None
+    rejected: dict[str, str] = {}  # core request id -> why the core refused it
+    failed: str | None = None  # the core hit a fatal error and is exiting
+    timestamp: float = 0.0
+
+
 _encoder = msgspec.msgpack.Encoder()
 
 

@@ -76,6 +76,10 @@ class ModelRunner:
         self.block_tables = _BlockTables(2 * max_num_seqs, max_blocks)
         self.generators: dict[str, torch.Generator] = {}
 
+    def release(self, request_ids: list[str]) -> None:
+        """Drop the state of requests that ended (idempotent)."""
+        self._forget(request_ids)
+
     def _forget(self, request_ids: list[str], keep_generator: bool = False) -> None:
         for rid in request_ids:
             self.block_tables.drop(rid)

@@ -1,0 +1,423 @@
+"""`pagoda bench serve`: a load generator for any OpenAI-compatible streaming server.
+
+Requests go to `/v1/completions` with `stream=true`, `ignore_eos=true` and `max_tokens` = the output
+length, at Poisson arrivals of a given rate (`inf`: all at once) and/or with a cap on requests in
+flight. Each server-sent event is timestamped on arrival:
+
+- TTFT, time to first token: from sending the request to the first token's event;
+- ITL, inter-token latency: the gaps between consecutive token events, over all requests;
+- TPOT, time per output token: per request, (E2E - TTFT) / (output tokens - 1);
+- E2E: from sending to the last event.
+
+Throughput divides by the span from the first send to the last completion. Goodput counts only
+requests that met every SLO given (`--slo-ttft-ms`, `--slo-tpot-ms`, `--slo-e2e-ms`).
+Output tokens are the server's `usage.completion_tokens` when it reports usage, else the number of
+token events (exact for servers that send one token per event).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.bench.common import BenchError, environment, format_table, summarize, write_json
+
+
+@dataclass
+class ServeConfig:
+    base_url: str
+    model: str | None = None
+    endpoint: str = "/v1/completions"
+    num_prompts: int = 128
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    input_len_min: int = 32
+    input_len_max: int = 512
+    output_len: int = 128
+    seed: int = 0
+    prompt_format: str = "ids"  # "ids": token-id lists; "text": the ids decoded by the tokenizer
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_e2e_ms: float | None = None
+    num_warmups: int = 1
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float | None = None
+
+
+@dataclass
+class Prompt:
+    prompt: list[int] | str
+    prompt_len: int  # tokens as we built them (the server's usage wins when reported)
+
+
+@dataclass
+class RequestResult:
+    index: int
+    prompt_len: int
+    output_len: int  # asked for
+    send_time: float = 0.0  # seconds since the benchmark started
+    token_times: list[float] = field(default_factory=list)  # same clock, one per token event
+    end_time: float = 0.0
+    output_tokens: int = 0
+    usage_reported: bool = False
+    success: bool = False
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.send_time if self.token_times else None
+
+    @property
+    def e2e(self) -> float:
+        return self.end_time - self.send_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+# -- workload ------------------------------------------------------------------------------------
+def make_prompts(cfg: ServeConfig, tokenizer: Any = None, vocab_size: int | None = None) -> list[Prompt]:
+    """Random prompts, lengths uniform in [min, max], seeded; the same draw as `bench throughput`."""
+    from pagoda.bench.workloads import allowed_token_ids, random_workload, special_token_ids, vocab_for
+
+    if vocab_size is None:
+        vocab_size = vocab_for(tokenizer, None)
+    allowed = allowed_token_ids(vocab_size, special_token_ids(tokenizer, None))
+    work = random_workload(cfg.num_prompts, cfg.input_len_min, cfg.input_len_max, cfg.output_len, allowed, cfg.seed)
+    if cfg.prompt_format == "ids":
+        return [Prompt(r.prompt_ids, len(r.prompt_ids)) for r in work.requests]
+    if tokenizer is None:
+        raise ValueError("--prompt-format text needs a tokenizer")
+    prompts = []
+    for r in work.requests:
+        # Decoding random ids and encoding again does not round-trip exactly: count the re-encoding.
+        text = tokenizer.decode(r.prompt_ids)
+        prompts.append(Prompt(text, len(tokenizer.encode(text, add_special_tokens=False))))
+    return prompts
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Send times in seconds from the start: a Poisson process of `rate` requests/s (exponential
+    gaps), or all at 0 for an infinite rate."""
+    import numpy as np
+
+    if rate <= 0:
+        raise ValueError(f"--request-rate must be > 0, got {rate}")
+    if math.isinf(rate):
+        return [0.0] * n
+    # Its own stream: changing the rate must not change the prompts, which use `seed` directly.
+    gaps = np.random.default_rng([seed, 1]).exponential(1.0 / rate, size=n)
+    gaps[0] = 0.0  # the first request goes at once; the clock starts with it
+    return np.cumsum(gaps).tolist()
+
+
+# -- client --------------------------------------------------------------------------------------
+def _base(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+async def discover_model(client: Any, base_url: str) -> str:
+    try:
+        resp = await client.get(f"{_base(base_url)}/v1/models")
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except Exception as exc:
+        raise BenchError(f"could not list models at {base_url}/v1/models ({exc!r}); pass --model") from None
+
+
+def _payload(cfg: ServeConfig, model: str, prompt: list[int] | str, output_len: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **cfg.extra_body,
+    }
+
+
+async def stream_completion(client: Any, url: str, payload: dict[str, Any], result: RequestResult, t0: float) -> RequestResult:
+    """Send one streaming request, timestamping each token event; never raises."""
+    clock = time.perf_counter
+    result.send_time = clock() - t0
+    events = 0
+    try:
+        async with client.stream("POST", url, json=payload) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {body[:200]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, SSE comments, event: lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = clock() - t0
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"server error: {json.dumps(chunk['error'])[:200]}"
+                    return result
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    result.output_tokens = int(usage["completion_tokens"])
+                    result.usage_reported = True
+                    if usage.get("prompt_tokens") is not None:
+                        result.prompt_len = int(usage["prompt_tokens"])
+                for choice in chunk.get("choices") or []:
+                    # A token event carries text, or is any chunk before the finish; a last chunk
+                    # with no text and a finish_reason only says "done" (llama.cpp, others).
+                    if choice.get("text") or choice.get("finish_reason") is None:
+                        result.token_times.append(now)
+                        events += 1
+        result.end_time = clock() - t0
+        if not result.usage_reported:
+            result.output_tokens = events
+        if not result.token_times:
+            result.error = "no tokens in the stream"
+            return result
+        result.success = True
+    except Exception as exc:  # a benchmark reports failures, it does not stop at the first
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.end_time = clock() - t0
+    return result
+
+
+async def run_load(cfg: ServeConfig, prompts: list[Prompt]) -> tuple[list[RequestResult], float, str]:
+    """Send every prompt on its schedule; returns the results, the benchmark's duration and the
+    model name used."""
+    import httpx
+
+    url = _base(cfg.base_url) + cfg.endpoint
+    # httpx caps a client at 100 connections by default, which would silently cap concurrency.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
+        model = cfg.model or await discover_model(client, cfg.base_url)
+        for i in range(cfg.num_warmups):
+            # Not measured: a cold server may compile or allocate on its first request.
+            warm = RequestResult(-1, 0, 4)
+            await stream_completion(client, url, _payload(cfg, model, prompts[i % len(prompts)].prompt, 4), warm, time.perf_counter())
+            if not warm.success:
+                raise BenchError(f"warm-up request to {url} failed: {warm.error}")
+        offsets = arrival_offsets(len(prompts), cfg.request_rate, cfg.seed)
+        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        t0 = time.perf_counter()
+
+        async def one(i: int, p: Prompt) -> RequestResult:
+            delay = offsets[i] - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            result = RequestResult(i, p.prompt_len, cfg.output_len)
+            payload = _payload(cfg, model, p.prompt, cfg.output_len)
+            if sem is None:
+                return await stream_completion(client, url, payload, result, t0)
+            async with sem:
+                return await stream_completion(client, url, payload, result, t0)
+
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        duration = max((r.end_time for r in results), default=0.0) - min((r.send_time for r in results), default=0.0)
+    return list(results), duration, model
+
+
+# -- metrics -------------------------------------------------------------------------------------
+def timeline(results: list[RequestResult], duration: float, bins: int = 60) -> dict[str, Any]:
+    """Output tokens/s and requests in flight over time, in equal bins over the run."""
+    ok = [r for r in results if r.success]
+    start = min((r.send_time for r in results), default=0.0)
+    width = max(duration / bins, 1e-3)
+    n = max(1, math.ceil(duration / width))
+    tokens = [0.0] * n
+    in_flight = [0] * n
+    for r in ok:
+        # Spread usage-reported tokens over the events when a chunk carries several tokens.
+        per_event = r.output_tokens / len(r.token_times)
+        for t in r.token_times:
+            tokens[min(int((t - start) / width), n - 1)] += per_event
+    for r in results:
+        a = int((r.send_time - start) / width)
+        b = min(int((r.end_time - start) / width), n - 1)
+        for i in range(max(a, 0), b + 1):
+            in_flight[i] += 1
+    return {
+        "bin_s": width,
+        "t_s": [(i + 0.5) * width for i in range(n)],
+        "output_tokens_per_s": [x / width for x in tokens],
+        "in_flight": in_flight,
+    }
+
+
+def max_in_flight(results: list[RequestResult]) -> int:
+    """The most requests open at once: a sweep over send (+1) and end (-1) events."""
+    events = sorted([(r.send_time, 1) for r in results] + [(r.end_time, -1) for r in results], key=lambda e: (e[0], e[1]))
+    best = cur = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def compute_metrics(results: list[RequestResult], duration: float, cfg: ServeConfig) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    in_tokens = sum(r.prompt_len for r in ok)
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    itls = [x for r in ok for x in r.itls]
+    e2es = [r.e2e for r in ok]
+    dur = duration if duration > 0 else float("nan")
+
+    def good(r: RequestResult) -> bool:
+        checks = [
+            (cfg.slo_ttft_ms, r.ttft),
+            (cfg.slo_tpot_ms, r.tpot if r.tpot is not None else 0.0),
+            (cfg.slo_e2e_ms, r.e2e),
+        ]
+        return all(v is not None and v * 1e3 <= slo for slo, v in checks if slo is not None)
+
+    has_slo = any(s is not None for s in (cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.slo_e2e_ms))
+    n_good = sum(good(r) for r in ok) if has_slo else None
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:10],
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "output_len_mismatches": sum(r.output_tokens != r.output_len for r in ok),
+        "usage_reported": all(r.usage_reported for r in ok) if ok else False,
+        "request_throughput": len(ok) / dur,
+        "output_token_throughput": out_tokens / dur,
+        "total_token_throughput": (in_tokens + out_tokens) / dur,
+        "max_in_flight": max_in_flight(results),
+        "ttft_ms": summarize(ttfts, 1e3),
+        "tpot_ms": summarize(tpots, 1e3),
+        "itl_ms": summarize(itls, 1e3),
+        "e2e_ms": summarize(e2es, 1e3),
+        "slo": {"ttft_ms": cfg.slo_ttft_ms, "tpot_ms": cfg.slo_tpot_ms, "e2e_ms": cfg.slo_e2e_ms},
+        "good_requests": n_good,
+        "goodput": (n_good / dur) if n_good is not None else None,
+    }
+
+
+def print_report(m: dict[str, Any], cfg: ServeConfig, model: str) -> None:
+    rate = "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g}"
+    conc = cfg.max_concurrency or "unlimited"
+    print(f"serve benchmark: {cfg.base_url} model {model}, {cfg.num_prompts} requests at {rate} req/s, max concurrency {conc}")
+    lines = [
+        ("successful requests", m["completed"]),
+        ("failed requests", m["failed"]),
+        ("duration (s)", m["duration_s"]),
+        ("input tokens", m["total_input_tokens"]),
+        ("output tokens", m["total_output_tokens"]),
+        ("request throughput (req/s)", m["request_throughput"]),
+        ("output token throughput (tok/s)", m["output_token_throughput"]),
+        ("total token throughput (tok/s)", m["total_token_throughput"]),
+        ("max requests in flight", m["max_in_flight"]),
+    ]
+    if m["goodput"] is not None:
+        lines.append(("goodput (req/s)", m["goodput"]))
+        lines.append(("requests within SLO", f"{m['good_requests']}/{m['completed'] + m['failed']}"))
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        print(f"  {k.ljust(width)}  {v:,.2f}" if isinstance(v, float) else f"  {k.ljust(width)}  {v}")
+    rows = [
+        [name, m[key]["mean"], m[key]["p50"], m[key]["p90"], m[key]["p99"]]
+        for name, key in (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), ("ITL ms", "itl_ms"), ("E2E ms", "e2e_ms"))
+    ]
+    print(format_table(["latency", "mean", "p50", "p90", "p99"], rows))
+    if m["output_len_mismatches"]:
+        print(f"warning: {m['output_len_mismatches']} requests did not return exactly {cfg.output_len} tokens (ignore_eos unsupported?)")
+    for err in m["errors"]:
+        print(f"error: {err}")
+
+
+def config_from_args(ns: argparse.Namespace) -> ServeConfig:
+    extra = json.loads(ns.extra_body) if ns.extra_body else {}
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    if ns.max_concurrency is not None and ns.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    if ns.output_len < 1 or ns.num_prompts < 1:
+        raise ValueError("--output-len and --num-prompts must be >= 1")
+    return ServeConfig(
+        base_url=ns.base_url,
+        model=ns.model,
+        endpoint=ns.endpoint,
+        num_prompts=ns.num_prompts,
+        request_rate=ns.request_rate,
+        max_concurrency=ns.max_concurrency,
+        input_len_min=ns.input_len_min,
+        input_len_max=ns.input_len_max,
+        output_len=ns.output_len,
+        seed=ns.seed,
+        prompt_format=ns.prompt_format,
+        slo_ttft_ms=ns.slo_ttft_ms,
+        slo_tpot_ms=ns.slo_tpot_ms,
+        slo_e2e_ms=ns.slo_e2e_ms,
+        num_warmups=ns.num_warmups,
+        extra_body=extra,
+        timeout_s=ns.request_timeout,
+    )
+
+
+def load_tokenizer_for(name: str | None) -> Any:
+    from pagoda.model.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(name))
+
+
+def run_serve(ns: argparse.Namespace) -> dict[str, Any]:
+    cfg = config_from_args(ns)
+    # Token ids need only the vocabulary; text prompts need the tokenizer itself.
+    tokenizer = None if (ns.vocab_size and cfg.prompt_format == "ids") else load_tokenizer_for(ns.tokenizer)
+    prompts = make_prompts(cfg, tokenizer, ns.vocab_size)
+    results, duration, model = asyncio.run(run_load(cfg, prompts))
+    metrics = compute_metrics(results, duration, cfg)
+    print_report(metrics, cfg, model)
+    record = {
+        "benchmark": "serve",
+        "args": {k: v for k, v in vars(ns).items() if k != "func"},
+        "model": model,
+        "config": {**cfg.__dict__, "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate},
+        "metrics": metrics,
+        "timeline": timeline(results, duration),
+        "requests": [
+            {
+                "prompt_len": r.prompt_len,
+                "output_tokens": r.output_tokens,
+                "send_time_s": r.send_time,
+                "ttft_ms": None if r.ttft is None else r.ttft * 1e3,
+                "tpot_ms": None if r.tpot is None else r.tpot * 1e3,
+                "e2e_ms": r.e2e * 1e3,
+                "success": r.success,
+                "error": r.error,
+            }
+            for r in results
+        ],
+        "env": environment(),
+    }
+    if ns.json:
+        write_json(ns.json, record)
+        print(f"wrote {ns.json}")
+    if ns.plot:
+        from pagoda.bench.plot import plot_serve
+
+        plot_serve(results, metrics, record["timeline"], cfg, model, ns.plot)
+        print(f"wrote {ns.plot}")
+    return record

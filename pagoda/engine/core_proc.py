@@ -1,0 +1,333 @@
+"""The engine core in its own process, and the API-side client that talks to it over ZMQ.
+
+Why a process: the core's step loop is CPU/GPU bound Python; in the API process it would share the
+GIL with HTTP parsing, tokenization and detokenization, and every request would slow every step.
+Here the API process only encodes small msgspec messages and the core never waits on HTTP.
+
+Wire (all messages defined in `pagoda.engine.messages`):
+- input  (API PUSH, bound  -> core PULL, connected): two frames, [kind byte, msgpack payload]
+- output (core PUSH, connected -> API PULL, bound): one frame, an `EngineCoreOutputs`
+Both are ipc:// sockets in a private temporary folder. The API side binds, so messages sent before
+the core has connected simply wait in ZMQ.
+
+The core loop (`EngineCoreProc.run`): idle, it blocks on its input socket (waking once a second only
+to notice that its parent died); busy, it drains every pending input without blocking and runs one
+`EngineCore.step()` per iteration, sending each step's outputs with a stats snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from pagoda.config import EngineArgs
+from pagoda.engine.input_processor import eos_token_id_of
+from pagoda.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineCoreStats,
+    UtilityRequest,
+    UtilityResult,
+    decoder,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 1000  # idle wake-up period, only to check that the parent is still alive
+_STALLED_POLL_MS = 5  # a step that scheduled nothing while requests exist: wait briefly for input
+
+
+class EngineCoreProc:
+    """Runs inside the core process: owns an `EngineCore` and the two sockets."""
+
+    def __init__(self, args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int) -> None:
+        self.args = args
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context(io_threads=1)
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.RCVHWM, 0)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.SNDHWM, 0)
+        self.output.setsockopt(zmq.LINGER, 2000)
+        self.output.connect(output_addr)
+        self.core = None
+        self.num_aborted = 0
+        self._shutdown = False
+        self._last_sent_stats: EngineCoreStats | None = None
+        self._decode_add = decoder(EngineCoreRequest)
+        self._decode_ids = decoder(list[str])
+        self._decode_utility = decoder(UtilityRequest)
+        # Utility calls the front end may make; each returns something msgpack can encode.
+        self.utilities: dict[str, Callable[..., Any]] = {
+            "stats": lambda: msgspec.structs.asdict(self.stats()),
+            "ping": lambda: "pong",
+        }
+
+    # -- setup ---------------------------------------------------------------------------------
+    def load(self) -> None:
+        from pagoda.engine.core import EngineCore
+
+        self.core = EngineCore(self.args)
+        core = self.core
+        dtype = str(core.loaded.dtype).removeprefix("torch.")
+        self._send(
+            EngineCoreOutputs(
+                ready=EngineCoreReady(
+                    max_model_len=core.max_model_len,
+                    vocab_size=int(core.loaded.config.vocab_size),
+                    num_blocks=core.kv_manager.num_blocks,
+                    num_usable_blocks=core.kv_manager.num_usable_blocks,
+                    block_size=core.kv_manager.block_size,
+                    model_name=core.loaded.source.name,
+                    architecture=core.loaded.architecture,
+                    dtype=dtype,
+                    device=str(core.device),
+                    eos_token_id=eos_token_id_of(None, core.loaded.config),
+                    pid=os.getpid(),
+                ),
+                stats=self.stats(),
+                timestamp=time.time(),
+            )
+        )
+
+    # -- messages ------------------------------------------------------------------------------
+    def _send(self, msg: EngineCoreOutputs) -> None:
+        self.output.send(encode(msg), copy=False)
+
+    def stats(self) -> EngineCoreStats:
+        core = self.core
+        s = core.stats()
+        return EngineCoreStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_usage=s.kv_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_blocks=s.num_blocks,
+            num_usable_blocks=core.kv_manager.num_usable_blocks,
+            num_free_blocks=core.kv_manager.num_free_blocks,
+            num_steps=core.num_steps,
+            num_aborted_requests=self.num_aborted,
+            pid=os.getpid(),
+        )
+
+    def _handle(self, frames: list[bytes]) -> None:
+        kind, payload = frames[0], frames[1] if len(frames) > 1 else b""
+        core = self.core
+        if kind == EngineCoreRequestType.ADD:
+            req = self._decode_add.decode(payload)
+            try:
+                core.add_request(req)
+            except Exception as exc:  # the front end validates; this is a last line of defence
+                logger.warning("core refused request %s: %s", req.request_id, exc)
+                self._send(EngineCoreOutputs(rejected={req.request_id: str(exc)}, timestamp=time.time()))
+        elif kind == EngineCoreRequestType.ABORT:
+            ids = self._decode_ids.decode(payload)
+            self.num_aborted += sum(1 for rid in ids if self._knows(rid))
+            core.abort_requests(ids)
+        elif kind == EngineCoreRequestType.FINISH:
+            core.finish_requests(self._decode_ids.decode(payload))
+        elif kind == EngineCoreRequestType.UTILITY:
+            call = self._decode_utility.decode(payload)
+            fn = self.utilities.get(call.method)
+            if fn is None:
+                result = UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+            else:
+                try:
+                    result = UtilityResult(call.call_id, result=fn(*call.args))
+                except Exception as exc:
+                    result = UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+            self._send(EngineCoreOutputs(utility=result, timestamp=time.time()))
+        elif kind == EngineCoreRequestType.SHUTDOWN:
+            self._shutdown = True
+        else:
+            logger.error("unknown input kind %r", kind)
+
+    def _knows(self, rid: str) -> bool:
+        core = self.core
+        if rid in core.scheduler.requests:
+            return True
+        return any(r.request_id == rid for reqs in core._deferred.values() for r in reqs)
+
+    def _drain_inputs(self) -> None:
+        while True:
+            try:
+                frames = self.input.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        core = self.core
+        while not self._shutdown:
+            if not core.has_unfinished_requests():
+                # Idle: let the front end see the final state (running 0, blocks free), then block.
+                self._send_stats_if_changed()
+                while not self.input.poll(_IDLE_POLL_MS):
+                    if not self._parent_alive():
+                        logger.warning("parent process died; engine core exiting")
+                        return
+            self._drain_inputs()
+            if self._shutdown or not core.has_unfinished_requests():
+                continue
+            steps_before = core.num_steps
+            outputs = core.step()
+            if outputs:
+                stats = self.stats()
+                self._last_sent_stats = stats
+                self._send(EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=time.time()))
+            elif core.num_steps == steps_before:
+                # Nothing could be scheduled (e.g. only requests waiting on a sibling's prompt):
+                # don't spin hot; any input wakes us at once.
+                self.input.poll(_STALLED_POLL_MS)
+                if not self._parent_alive():
+                    return
+
+    def _send_stats_if_changed(self) -> None:
+        stats = self.stats()
+        if stats != self._last_sent_stats:
+            self._last_sent_stats = stats
+            self._send(EngineCoreOutputs(stats=stats, timestamp=time.time()))
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close()
+        self.ctx.term()
+
+
+def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int, log_level: str) -> None:
+    """Entry point of the core process."""
+    # Ctrl-C in a terminal reaches the whole process group; the API process decides when the
+    # core stops (SHUTDOWN message, or terminate()), so a half-finished step is never interrupted.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s",
+    )
+    proc = EngineCoreProc(args, input_addr, output_addr, parent_pid)
+    code = 0
+    try:
+        proc.load()
+        proc.run()
+    except Exception as exc:
+        code = 1
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        try:
+            proc._send(EngineCoreOutputs(failed=f"{type(exc).__name__}: {exc}", timestamp=time.time()))
+        except Exception:
+            pass
+    finally:
+        proc.close()
+    if code:
+        os._exit(code)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone (crashed, killed, or failed to start)."""
+
+
+class CoreClient:
+    """API-side handle of the core process: spawns it, sends inputs, receives outputs (asyncio).
+
+    Inputs are sent with a plain (synchronous) ZMQ socket and NOBLOCK: a PUSH socket with no limit
+    never blocks while its peer lives, and when the peer is gone the send fails at once instead of
+    hanging the event loop.
+    """
+
+    def __init__(self, args: EngineArgs, log_level: str = "info") -> None:
+        self.args = args
+        self.log_level = log_level
+        self._tmpdir = tempfile.mkdtemp(prefix="pagoda-core-")
+        self.input_addr = f"ipc://{self._tmpdir}/input.sock"
+        self.output_addr = f"ipc://{self._tmpdir}/output.sock"
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self._ctx = None
+        self._actx = None
+        self.input = None
+        self.output = None
+        self._decode_outputs = decoder(EngineCoreOutputs)
+
+    def start(self) -> None:
+        import zmq.asyncio
+
+        self._ctx = zmq.Context(io_threads=1)
+        self.input = self._ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.bind(self.input_addr)
+        self._actx = zmq.asyncio.Context.shadow(self._ctx)
+        self.output = self._actx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.RCVHWM, 0)
+        self.output.setsockopt(zmq.LINGER, 0)
+        self.output.bind(self.output_addr)
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(
+            target=run_engine_core,
+            args=(self.args, self.input_addr, self.output_addr, os.getpid(), self.log_level),
+            name="pagoda-engine-core",
+            daemon=True,
+        )
+        self.proc.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def sentinel(self) -> int:
+        return self.proc.sentinel
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def send(self, kind: bytes, payload: bytes = b"") -> None:
+        try:
+            self.input.send_multipart([kind, payload], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine core is not accepting input (not running)") from None
+
+    async def recv(self) -> EngineCoreOutputs:
+        frame = await self.output.recv(copy=False)
+        return self._decode_outputs.decode(frame.buffer)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the core to stop, then make sure it has; close sockets and remove the ipc folder."""
+        proc = self.proc
+        if proc is not None and proc.is_alive():
+            try:
+                self.send(EngineCoreRequestType.SHUTDOWN)
+            except EngineDeadError:
+                pass
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for sock in (self.input, self.output):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        shutil.rmtree(self._tmpdir, ignore_errors=True)

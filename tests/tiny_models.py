@@ -1,0 +1,50 @@
+"""Tiny random-weight models of each supported architecture, saved with save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+
+def tiny_config(arch: str):
+    import transformers
+
+    if arch == "llama3":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        return transformers.LlamaConfig(**_COMMON, rope_parameters=rope, tie_word_embeddings=False)
+    if arch == "llama_linear":
+        rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+        return transformers.LlamaConfig(**_COMMON, rope_parameters=rope, tie_word_embeddings=True)
+    if arch == "mistral":
+        return transformers.MistralConfig(**_COMMON, sliding_window=None, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(arch)
+
+
+def save_tiny_model(arch: str, folder: Path, seed: int = 0, shard: bool = False):
+    """Random weights with a larger init than the default so greedy choices are not near-ties."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch)
+    config.initializer_range = 0.2
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    kwargs = {"max_shard_size": "100KB"} if shard else {}
+    model.save_pretrained(folder, **kwargs)
+    return model.eval()
