@@ -145,6 +145,9 @@ def add_bench_parser(subparsers: Any) -> None:
     sv.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests sent first")
     sv.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     sv.add_argument("--request-timeout", type=float, default=None, help="seconds; default: none")
+    sv.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds the warm-up waits for a server still starting (503)"
+    )
     sv.add_argument("--json", default=None, metavar="OUT.json")
     sv.add_argument("--plot", default=None, metavar="FILE.png", help="latency CDFs and throughput over time")
     sv.set_defaults(func=_guard(cmd_serve))

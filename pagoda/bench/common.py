@@ -99,21 +99,31 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def invocation(command: str) -> list[str] | None:
+    """The command line as typed (after `pagoda`), when this process is `pagoda bench <command>`;
+    None when called in-process (tests), where sys.argv is someone else's."""
+    argv = sys.argv[1:]
+    return argv if argv[:2] == ["bench", command] else None
+
+
 def write_json(path: str | os.PathLike, record: dict[str, Any]) -> None:
     p = Path(path)
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
-    # NaN is not JSON: write null so that any JSON reader takes the file.
-    p.write_text(json.dumps(_nan_to_none(record), indent=2) + "\n")
+    # NaN and infinity are not JSON: write null and "inf" so that any JSON reader takes the file.
+    p.write_text(json.dumps(_strict(record), indent=2, allow_nan=False) + "\n")
 
 
-def _nan_to_none(x: Any) -> Any:
-    if isinstance(x, float) and x != x:
-        return None
+def _strict(x: Any) -> Any:
+    if isinstance(x, float):
+        if x != x:
+            return None
+        if x in (float("inf"), float("-inf")):
+            return "inf" if x > 0 else "-inf"
     if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
+        return {k: _strict(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_nan_to_none(v) for v in x]
+        return [_strict(v) for v in x]
     return x
 
 

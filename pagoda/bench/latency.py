@@ -14,7 +14,7 @@ import statistics
 import time
 from typing import Any
 
-from pagoda.bench.common import BenchError, environment, format_table, parse_int_list, write_json
+from pagoda.bench.common import BenchError, environment, format_table, invocation, parse_int_list, write_json
 from pagoda.bench.throughput import HFRunner, PagodaRunner, _sync, model_info
 from pagoda.bench.workloads import allowed_token_ids, special_token_ids, vocab_for
 
@@ -156,6 +156,7 @@ def run_latency(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[s
     print(format_table(header, rows))
     record = {
         "benchmark": "latency",
+        "argv": invocation("latency"),
         "args": {k: v for k, v in vars(ns).items() if k != "func"},
         "model": info.name,
         "dtype": dtype_name,

@@ -14,7 +14,7 @@ def _cdf(ax: Any, values: list[float], label: str) -> None:
     if not xs:
         return
     ys = [(i + 1) / len(xs) for i in range(len(xs))]
-    ax.step(xs, ys, where="post", label=f"{label} (p50 {xs[(len(xs) - 1) // 2]:.1f})")
+    ax.step(xs, ys, where="post", label=f"{label} (p50 {xs[(len(xs) - 1) // 2]:.3g})")
 
 
 def plot_serve(

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.bench.common import BenchError, environment, format_table, summarize, write_json
+from pagoda.bench.common import BenchError, environment, format_table, invocation, summarize, write_json
 
 
 @dataclass
@@ -47,6 +47,7 @@ class ServeConfig:
     num_warmups: int = 1
     extra_body: dict[str, Any] = field(default_factory=dict)
     timeout_s: float | None = None
+    ready_timeout_s: float = 300.0  # how long warm-up waits for a server that is still starting
 
 
 @dataclass
@@ -182,11 +183,11 @@ async def stream_completion(client: Any, url: str, payload: dict[str, Any], resu
                         result.prompt_len = int(usage["prompt_tokens"])
                 for choice in chunk.get("choices") or []:
                     # A token event carries text, or is any chunk before the finish; a last chunk
-                    # with no text and a finish_reason only says "done" (llama.cpp, others).
-                    if choice.get("text") or choice.get("finish_reason") is None:
+                    # with no text and a finish_reason only says "done" (llama.cpp, others),
+                    # unless nothing came before it: then it is when the output arrived.
+                    if choice.get("text") or choice.get("finish_reason") is None or not events:
                         result.token_times.append(now)
                         events += 1
-        result.end_time = clock() - t0
         if not result.usage_reported:
             result.output_tokens = events
         if not result.token_times:
@@ -195,6 +196,8 @@ async def stream_completion(client: Any, url: str, payload: dict[str, Any], resu
         result.success = True
     except Exception as exc:  # a benchmark reports failures, it does not stop at the first
         result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        # Every request, failed or not, has an end: the duration and in-flight counts need it.
         result.end_time = clock() - t0
     return result
 
@@ -209,12 +212,20 @@ async def run_load(cfg: ServeConfig, prompts: list[Prompt]) -> tuple[list[Reques
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
         model = cfg.model or await discover_model(client, cfg.base_url)
+        deadline = time.monotonic() + cfg.ready_timeout_s
         for i in range(cfg.num_warmups):
-            # Not measured: a cold server may compile or allocate on its first request.
-            warm = RequestResult(-1, 0, 4)
-            await stream_completion(client, url, _payload(cfg, model, prompts[i % len(prompts)].prompt, 4), warm, time.perf_counter())
-            if not warm.success:
-                raise BenchError(f"warm-up request to {url} failed: {warm.error}")
+            # Not measured: a cold server may compile or allocate on its first request. A server
+            # still loading its model may answer 503 (or not yet accept): wait for it.
+            while True:
+                warm = RequestResult(-1, 0, 4)
+                payload = _payload(cfg, model, prompts[i % len(prompts)].prompt, 4)
+                await stream_completion(client, url, payload, warm, time.perf_counter())
+                if warm.success:
+                    break
+                starting = (warm.error or "").startswith(("HTTP 503", "ConnectError"))
+                if not starting or time.monotonic() > deadline:
+                    raise BenchError(f"warm-up request to {url} failed: {warm.error}")
+                await asyncio.sleep(0.5)
         offsets = arrival_offsets(len(prompts), cfg.request_rate, cfg.seed)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         t0 = time.perf_counter()
@@ -335,7 +346,8 @@ def print_report(m: dict[str, Any], cfg: ServeConfig, model: str) -> None:
         lines.append(("requests within SLO", f"{m['good_requests']}/{m['completed'] + m['failed']}"))
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
-        print(f"  {k.ljust(width)}  {v:,.2f}" if isinstance(v, float) else f"  {k.ljust(width)}  {v}")
+        shown = f"{v:,.2f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+        print(f"  {k.ljust(width)}  {shown}")
     rows = [
         [name, m[key]["mean"], m[key]["p50"], m[key]["p90"], m[key]["p99"]]
         for name, key in (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), ("ITL ms", "itl_ms"), ("E2E ms", "e2e_ms"))
@@ -373,6 +385,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         num_warmups=ns.num_warmups,
         extra_body=extra,
         timeout_s=ns.request_timeout,
+        ready_timeout_s=ns.ready_timeout,
     )
 
 
@@ -392,6 +405,7 @@ def run_serve(ns: argparse.Namespace) -> dict[str, Any]:
     print_report(metrics, cfg, model)
     record = {
         "benchmark": "serve",
+        "argv": invocation("serve"),
         "args": {k: v for k, v in vars(ns).items() if k != "func"},
         "model": model,
         "config": {**cfg.__dict__, "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate},

@@ -21,6 +21,7 @@ from pagoda.bench.common import (
     BenchError,
     environment,
     format_table,
+    invocation,
     median_index,
     parse_int_list,
     peak_rss_mib,
@@ -77,11 +78,19 @@ class ModelInfo:
     tokenizer: Any
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def model_info(model: str | None) -> ModelInfo:
     from pagoda.model.loader import load_config, load_tokenizer, resolve_model
 
     source = resolve_model(model)
-    return ModelInfo(source.name, source, load_config(source), load_tokenizer(source))
+    tokenizer = None
+    # Without tokenizer files transformers may still build an empty tokenizer (Qwen folders do),
+    # which would leave no ids to draw from: such a model is driven by token ids alone.
+    if source.is_gguf or any((source.path / f).exists() for f in _TOKENIZER_FILES):
+        tokenizer = load_tokenizer(source)
+    return ModelInfo(source.name, source, load_config(source), tokenizer)
 
 
 def build_workload(ns: argparse.Namespace, info: ModelInfo) -> Workload:
@@ -303,6 +312,7 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
     p_med = pagoda_runs[median_index([s.elapsed_s for s in pagoda_runs])]
     record: dict[str, Any] = {
         "benchmark": "throughput",
+        "argv": invocation("throughput"),
         "args": {k: v for k, v in vars(ns).items() if k != "func"},
         "model": info.name,
         "dtype": dtype_name,

@@ -216,9 +216,12 @@ class EngineCoreProc:
 
 def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int, log_level: str) -> None:
     """Entry point of the core process."""
-    # Ctrl-C in a terminal reaches the whole process group; the API process decides when the
-    # core stops (SHUTDOWN message, or terminate()), so a half-finished step is never interrupted.
+    # The API process alone decides when the core stops (SHUTDOWN message, else SIGKILL), and the
+    # core exits by itself if the API process dies. Ctrl-C in a terminal, or SIGTERM sent to the
+    # whole process group (systemd, `kill -- -PGID`), reaches the core too: obeying it would look
+    # like a crash to the API process in the middle of its graceful shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s",
@@ -318,10 +321,7 @@ class CoreClient:
             except EngineDeadError:
                 pass
             proc.join(timeout)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-            if proc.is_alive():
+            if proc.is_alive():  # it ignores SIGTERM (see run_engine_core): go straight to SIGKILL
                 proc.kill()
                 proc.join(2.0)
         for sock in (self.input, self.output):

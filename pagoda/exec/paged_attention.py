@@ -1,7 +1,7 @@
 """Paged attention in PyTorch: K/V written by slot mapping, ragged queries attending over block tables.
 
-Decodes (one query per request) go through one batched scaled_dot_product_attention over K/V gathered
-by block table; each prefill chunk is one SDPA call (few per step, bounded by the token budget). A chunk
+Decodes (one query per request) go through the C++ kernel of `cpu_kernels` on CPU (it reads the
+blocks in place), else one batched scaled_dot_product_attention over K/V gathered by block table; each prefill chunk is one SDPA call (few per step, bounded by the token budget). A chunk
 with no earlier context attends over its own fresh K/V without touching the cache.
 """
 
@@ -50,7 +50,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[B, max_blocks] block tables -> [B, seq_len, H, D] contiguous K or V."""
     b, nb = block_tables.shape
-    gathered = cache[block_tables]  # [B, nb, bs, H, D]
+    # index_select on whole blocks copies rows; advanced indexing would gather element by element.
+    gathered = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))
     return gathered.view(b, nb * cache.shape[1], *cache.shape[2:])[:, :seq_len]
 
 
@@ -59,6 +60,11 @@ class TorchPagedAttention:
 
     def __init__(self, kv_cache: PagedKVCache) -> None:
         self.kv_cache = kv_cache
+        self.decode_kernel = None
+        if kv_cache.tensor.device.type == "cpu":
+            from pagoda.exec.cpu_kernels import load_paged_decode
+
+            self.decode_kernel = load_paged_decode()
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata, scale: float
@@ -79,6 +85,8 @@ class TorchPagedAttention:
 
     def _decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
         nd = q.shape[0]
+        if self.decode_kernel is not None:
+            return self.decode_kernel(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         lens = meta.seq_lens[:nd]
         max_len = max(meta.seq_lens_cpu[:nd])
         tables = meta.block_tables[:nd, : (max_len + meta.block_size - 1) // meta.block_size]

@@ -2,7 +2,7 @@
 
 /v1/completions streams exactly `max_tokens` chunks, one token each, after `ttft_s` and then every
 `itl_s`, followed by a usage chunk and [DONE]. A prompt whose first token id is `fail_token` gets an
-HTTP 500. Every request body is recorded.
+HTTP 500; the first `unavailable_for` requests get a 503 (still starting). Every request body is recorded.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class FakeServer:
     itl_s: float = 0.002
     fail_token: int | None = None
     send_usage: bool = True
+    unavailable_for: int = 0  # answer this many completions with 503 first (a server still loading)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     url: str = ""
 
@@ -40,6 +41,9 @@ class FakeServer:
         async def completions(request: Request):
             body = await request.json()
             self.bodies.append(body)
+            if self.unavailable_for > 0:
+                self.unavailable_for -= 1
+                return JSONResponse({"error": {"message": "the model is still loading"}}, status_code=503)
             prompt = body["prompt"]
             if self.fail_token is not None and isinstance(prompt, list) and prompt and prompt[0] == self.fail_token:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)

@@ -35,9 +35,8 @@ def test_n4_outputs_share_prompt_blocks(tiny):
         if all(tables):
             first_two = {tuple(t[:2]) for t in tables}
             assert len(first_two) == 1  # the same two prompt blocks in every child
-            blocks = kv.block_pool.blocks if hasattr(kv.block_pool, "blocks") else None
-            if blocks is not None:
-                assert all(blocks[b].ref_cnt == 4 for b in tables[0][:2])
+            blocks = kv.block_pool.blocks
+            assert all(blocks[b].ref_cnt == 4 for b in tables[0][:2])
             seen_shared = True
     assert seen_shared
     assert final.finished and len(final.outputs) == 4

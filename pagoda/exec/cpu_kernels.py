@@ -1,0 +1,37 @@
+"""A small C++ extension for CPU paged decode attention, compiled on first use and cached.
+
+Built with torch's cpp_extension (g++ and torch's headers, both present wherever pagoda installs);
+when the build fails the backend falls back to the pure PyTorch path, so nothing depends on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+
+
+@lru_cache(maxsize=1)
+def load_paged_decode():
+    """The compiled `paged_decode` function, or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+    if os.environ.get("PAGODA_NO_CPP") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(
+            name="pagoda_paged_decode",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+        return module.paged_decode
+    except Exception as exc:  # no compiler, no headers: the torch path still works
+        logger.warning("CPU paged decode kernel unavailable (%s); using the PyTorch path", exc)
+        return None

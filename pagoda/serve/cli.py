@@ -1,0 +1,108 @@
+"""`pagoda serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names.
+
+`pagoda.cli` registers this subcommand through `add_serve_parser` when the module exists.
+--host and --port default to $PAGODA_HOST / $PAGODA_PORT when set (so `make serve` can be pointed
+at another port without editing the Makefile), else 0.0.0.0:8000 as vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from pagoda.cli import add_engine_args
+    from pagoda.model.loader import DEFAULT_MODEL
+
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...).",
+    )
+    p.add_argument("model", nargs="?", default=None, help=f"HF folder, .gguf file or {DEFAULT_MODEL} (default)")
+    p.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag (as vLLM accepts)")
+    p.add_argument("--host", default=os.environ.get("PAGODA_HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("PAGODA_PORT", "8000")))
+    p.add_argument(
+        "--api-key", action="append", default=None,
+        help="accept this API key (repeatable); with keys set, every /v1 route needs one",
+    )
+    p.add_argument(
+        "--api-keys-file", default=None,
+        help="JSON or lines 'KEY [REQUESTS_PER_SECOND [TOKENS_PER_MINUTE [PRIORITY]]]' ('-' = unset)",
+    )
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model; the first is the one reported")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 429 while this many requests are already waiting for the engine")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds after which a request is aborted (504); default: none")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--root-path", default="", help="ASGI root path when behind a path-based proxy")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from pagoda.cli import engine_kwargs
+    from pagoda.config import EngineArgs
+    from pagoda.model.loader import DEFAULT_MODEL, resolve_model
+    from pagoda.serve.app import ServerConfig
+    from pagoda.serve.server import make_state, run_server
+    from pagoda.serve.tenants import build_registry
+
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    model = ns.model_flag or ns.model
+    if ns.model_flag and ns.model and ns.model_flag != ns.model:
+        raise ValueError(f"two different models given: {ns.model!r} and --model {ns.model_flag!r}")
+    source = resolve_model(model)  # a bad model fails here, before anything starts
+    if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
+        raise ValueError("--max-waiting-requests must be >= 0")
+    if ns.request_timeout is not None and ns.request_timeout <= 0:
+        raise ValueError("--request-timeout must be > 0")
+    names = ns.served_model_name or [model or DEFAULT_MODEL]
+    try:
+        tenants = build_registry(ns.api_key or _env_keys(), ns.api_keys_file)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read API keys: {exc}") from None
+    chat_template = _read_template(ns.chat_template)
+    engine_args = EngineArgs.from_kwargs(model=model, served_model_name=names[0], **engine_kwargs(ns))
+    config = ServerConfig(
+        served_model_names=names,
+        max_waiting_requests=ns.max_waiting_requests,
+        request_timeout=ns.request_timeout,
+    )
+    state = make_state(engine_args, config, tenants, chat_template=chat_template, log_level=ns.log_level)
+    logging.getLogger("pagoda.serve").info(
+        "serving %s (%s) on http://%s:%d%s", names[0], source.path, ns.host, ns.port,
+        f" with {len(tenants)} API key(s)" if tenants.enabled else "",
+    )
+    return run_server(state, ns.host, ns.port, log_level=ns.log_level, root_path=ns.root_path)
+
+
+def _env_keys() -> list[str] | None:
+    key = os.environ.get("PAGODA_API_KEY")
+    return [key] if key else None
+
+
+def _read_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+if __name__ == "__main__":  # python -m pagoda.serve.cli ...
+    from pagoda.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

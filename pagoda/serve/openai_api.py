@@ -1,0 +1,498 @@
+"""POST /v1/completions and /v1/chat/completions: validation, admission (queue bound, token
+budgets), the engine requests, and the responses, streamed as server-sent events or whole.
+
+A request's path: body validated by pydantic (400 on failure) -> model checked (404) -> server
+accepting (503) -> sampling params built and prompts tokenized and checked against the context and
+the KV cache (400) -> admission: waiting-queue bound and the tenant's token bucket (429) -> one
+engine request per prompt -> stream or collect. Nothing reaches the engine before every check has
+passed, so a bad request never disturbs another.
+
+Cancellation: a streaming response is cancelled by Starlette when the client disconnects; a whole
+response is raced against the client's disconnect here. Either way the engine streams are closed,
+which aborts their requests in the core at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda.engine.async_llm import (
+    EngineDeadError,
+    EngineNotReadyError,
+    RequestAbortedError,
+    RequestRejectedError,
+    RequestStream,
+    RequestTimeoutError,
+    merge_delta,
+)
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.serve.app import ServerState, get_state, get_tenant
+from pagoda.serve.errors import APIError, bad_request, rate_limited, unavailable
+from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, sse, usage
+from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.serve.tenants import Tenant
+
+router = APIRouter()
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator, however the stream ends
+    (client gone, server stopping), so the engine requests behind it are aborted at once."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """The HTTP error for an exception out of the engine."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, str(exc), code="request_timeout")
+    if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
+        return unavailable(f"the engine is not running: {exc}")
+    if isinstance(exc, (RequestRejectedError, ValueError)):
+        return bad_request(str(exc))
+    if isinstance(exc, RequestAbortedError):
+        return APIError(503, str(exc), code="aborted")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+# -- admission --------------------------------------------------------------------------------------
+class _Prepared:
+    """A validated request, ready to be sent to the engine."""
+
+    def __init__(self, model: str, params: SamplingParams, prompts: list[tuple[str | None, list[int]]],
+                 priority: int, tenant: Tenant) -> None:
+        self.model = model
+        self.params = params
+        self.prompts = prompts
+        self.priority = priority
+        self.tenant = tenant
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
+
+
+def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    try:
+        return body.to_sampling_params()
+    except ValueError as exc:
+        msg = str(exc)
+        raise bad_request(msg, param=msg.split(" ", 1)[0] if msg else None) from None
+
+
+def _validate_prompts(state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+                      param: str) -> None:
+    for _, ids in prompts:
+        try:
+            state.engine.validate(ids, params)
+        except ValueError as exc:
+            msg = str(exc)
+            raise bad_request(msg, param="max_tokens" if "max_tokens" in msg else param,
+                              code="context_length_exceeded" if "context" in msg else None) from None
+
+
+def _admit(state: ServerState, prep: _Prepared) -> None:
+    bound = state.config.max_waiting_requests
+    if bound is not None and state.engine.estimated_num_waiting() >= bound:
+        raise rate_limited(f"the server's waiting queue is full ({bound} requests); retry later", 1.0,
+                           code="queue_full")
+    wait = prep.tenant.take_prompt_tokens(prep.num_prompt_tokens)
+    if wait > 0:
+        raise rate_limited(
+            f"Rate limit reached for {prep.tenant.name}: {prep.tenant.tokens_per_minute:g} tokens per minute",
+            wait,
+        )
+
+
+async def _start(state: ServerState, prep: _Prepared, request_id: str) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        for i, (text, ids) in enumerate(prep.prompts):
+            rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
+            streams.append(
+                await state.engine.add_request({"prompt": text, "prompt_token_ids": ids}, prep.params, rid,
+                                               prep.priority)
+            )
+    except BaseException as exc:
+        for s in streams:
+            s.close()
+        if isinstance(exc, Exception):
+            raise engine_error(exc) from None
+        raise
+    return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, delta output) from several request streams, as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        finals[i] = out if finals[i] is None else merge_delta(finals[i], out)
+    return finals  # type: ignore[return-value]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_cancellable(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`, cancelling it if the client disconnects first (a whole response otherwise
+    keeps generating for nobody). Returns its result, or an empty 499 response."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:
+        pass
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# -- /v1/completions -------------------------------------------------------------------------------
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    model = state.check_model(body.model)
+    state.check_accepting()
+    engine = state.engine
+    tenant = get_tenant(request)
+    params = _sampling_params(body)
+    prompts: list[tuple[str | None, list[int]]] = []
+    for p in body.prompts():
+        if isinstance(p, str):
+            try:
+                prompts.append((p, engine.tokenize(p, add_special_tokens=body.add_special_tokens)))
+            except ValueError as exc:
+                raise bad_request(str(exc), param="prompt") from None
+        else:
+            prompts.append((None, list(p)))
+    _validate_prompts(state, prompts, params, "prompt")
+    prep = _Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
+    _admit(state, prep)
+    request_id = _new_id("cmpl")
+    streams = await _start(state, prep, request_id)
+    headers = {"x-request-id": request_id}
+    if body.stream:
+        return SSEResponse(_completion_events(state, body, prep, request_id, streams), headers={**_SSE_HEADERS, **headers})
+    result = await run_cancellable(request, _completion_whole(state, body, prep, request_id, streams))
+    if isinstance(result, Response):
+        return result
+    return JSONResponse(result, headers=headers)
+
+
+def _echo_texts(state: ServerState, prep: _Prepared) -> list[str]:
+    return [text if text is not None else state.engine.detokenize(ids) for text, ids in prep.prompts]
+
+
+async def _completion_whole(state: ServerState, body: CompletionRequest, prep: _Prepared, request_id: str,
+                            streams: list[RequestStream]) -> dict:
+    completion_tokens = 0
+    try:
+        finals = await _collect(streams)
+    except Exception as exc:
+        raise engine_error(exc) from None
+    finally:
+        for s in streams:
+            s.close()
+    n = prep.params.n
+    echo = _echo_texts(state, prep) if body.echo else None
+    choices = []
+    cached = 0
+    for i, out in enumerate(finals):
+        cached += out.num_cached_tokens
+        for seq in out.outputs:
+            completion_tokens += len(seq.token_ids)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = CompletionLogprobs(body.logprobs, 0, body.return_tokens_as_token_ids).make(
+                    seq.token_ids, seq.logprobs
+                )
+            choices.append(
+                {
+                    "index": i * n + seq.index,
+                    "text": (echo[i] if echo else "") + seq.text,
+                    "logprobs": logprobs,
+                    "finish_reason": seq.finish_reason,
+                    "stop_reason": seq.stop_reason,
+                }
+            )
+    prep.tenant.charge_tokens(completion_tokens)
+    choices.sort(key=lambda c: c["index"])
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": prep.model,
+        "choices": choices,
+        "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
+        "system_fingerprint": None,
+    }
+
+
+async def _completion_events(state: ServerState, body: CompletionRequest, prep: _Prepared, request_id: str,
+                             streams: list[RequestStream]) -> AsyncIterator[str]:
+    n = prep.params.n
+    created = int(time.time())
+    echo = _echo_texts(state, prep) if body.echo else None
+    echoed: set[int] = set()
+    finished: set[int] = set()
+    lp_state: dict[int, CompletionLogprobs] = {}
+    completion_tokens = 0
+    cached = 0
+    include_usage = body.include_usage
+    try:
+        async for i, out in merge_streams(streams):
+            cached = max(cached, out.num_cached_tokens)
+            for seq in out.outputs:
+                idx = i * n + seq.index
+                if idx in finished:
+                    continue
+                completion_tokens += len(seq.token_ids)
+                text = seq.text
+                if echo is not None and idx not in echoed:
+                    echoed.add(idx)
+                    text = echo[i] + text
+                reason = seq.finish_reason
+                if not text and reason is None and (body.logprobs is None or not seq.token_ids):
+                    continue  # nothing to show yet (text held back until it is certain)
+                logprobs = None
+                if body.logprobs is not None:
+                    lp = lp_state.setdefault(idx, CompletionLogprobs(body.logprobs, 0, body.return_tokens_as_token_ids))
+                    logprobs = lp.make(seq.token_ids, seq.logprobs)
+                if reason is not None:
+                    finished.add(idx)
+                chunk: dict[str, Any] = {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": prep.model,
+                    "choices": [
+                        {
+                            "index": idx,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": reason,
+                            "stop_reason": seq.stop_reason if reason is not None else None,
+                        }
+                    ],
+                }
+                if include_usage:
+                    chunk["usage"] = (
+                        usage(prep.num_prompt_tokens, completion_tokens) if body.continuous_usage else None
+                    )
+                yield sse(chunk)
+        if include_usage:
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": prep.model,
+                    "choices": [],
+                    "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
+                }
+            )
+        yield SSE_DONE
+    except Exception as exc:
+        yield sse(engine_error(exc).body())
+        yield SSE_DONE
+    finally:
+        for s in streams:
+            s.close()
+        prep.tenant.charge_tokens(completion_tokens)
+
+
+# -- /v1/chat/completions --------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    model = state.check_model(body.model)
+    state.check_accepting()
+    engine = state.engine
+    tenant = get_tenant(request)
+    params = _sampling_params(body)
+    try:
+        messages = [m.to_template_dict() for m in body.messages]
+        ids = engine.apply_chat_template(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    prompts = [(None, ids)]
+    _validate_prompts(state, prompts, params, "messages")
+    prep = _Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
+    _admit(state, prep)
+    request_id = _new_id("chatcmpl")
+    streams = await _start(state, prep, request_id)
+    headers = {"x-request-id": request_id}
+    if body.stream:
+        return SSEResponse(_chat_events(body, prep, request_id, streams), headers={**_SSE_HEADERS, **headers})
+    result = await run_cancellable(request, _chat_whole(body, prep, request_id, streams))
+    if isinstance(result, Response):
+        return result
+    return JSONResponse(result, headers=headers)
+
+
+async def _chat_whole(body: ChatCompletionRequest, prep: _Prepared, request_id: str,
+                      streams: list[RequestStream]) -> dict:
+    try:
+        (final,) = await _collect(streams)
+    except Exception as exc:
+        raise engine_error(exc) from None
+    finally:
+        for s in streams:
+            s.close()
+    completion_tokens = sum(len(seq.token_ids) for seq in final.outputs)
+    prep.tenant.charge_tokens(completion_tokens)
+    choices = [
+        {
+            "index": seq.index,
+            "message": {"role": "assistant", "content": seq.text},
+            "logprobs": chat_logprobs(seq.token_ids, seq.logprobs, body.num_top_logprobs, body.return_tokens_as_token_ids) if body.logprobs else None,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.stop_reason,
+        }
+        for seq in final.outputs
+    ]
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": prep.model,
+        "choices": choices,
+        "usage": usage(prep.num_prompt_tokens, completion_tokens, final.num_cached_tokens),
+        "system_fingerprint": None,
+    }
+
+
+async def _chat_events(body: ChatCompletionRequest, prep: _Prepared, request_id: str,
+                       streams: list[RequestStream]) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = body.include_usage
+    completion_tokens = 0
+    cached = 0
+    finished: set[int] = set()
+
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, reason: str | None = None,
+              stop_reason: Any = None) -> str:
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": prep.model,
+            "choices": [
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                 "stop_reason": stop_reason}
+            ],
+        }
+        if include_usage:
+            data["usage"] = usage(prep.num_prompt_tokens, completion_tokens) if body.continuous_usage else None
+        return sse(data)
+
+    try:
+        # OpenAI opens every choice with the assistant role before any content.
+        for index in range(prep.params.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for _, out in merge_streams(streams):
+            cached = max(cached, out.num_cached_tokens)
+            for seq in out.outputs:
+                if seq.index in finished:
+                    continue
+                completion_tokens += len(seq.token_ids)
+                reason = seq.finish_reason
+                if not seq.text and reason is None and (not body.logprobs or not seq.token_ids):
+                    continue
+                logprobs = chat_logprobs(seq.token_ids, seq.logprobs, body.num_top_logprobs, body.return_tokens_as_token_ids) if body.logprobs else None
+                if reason is not None:
+                    finished.add(seq.index)
+                delta = {"content": seq.text} if seq.text or reason is None else {}
+                yield chunk(seq.index, delta, logprobs, reason, seq.stop_reason if reason is not None else None)
+        if include_usage:
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": prep.model,
+                    "choices": [],
+                    "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
+                }
+            )
+        yield SSE_DONE
+    except Exception as exc:
+        yield sse(engine_error(exc).body())
+        yield SSE_DONE
+    finally:
+        for s in streams:
+            s.close()
+        prep.tenant.charge_tokens(completion_tokens)

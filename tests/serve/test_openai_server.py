@@ -1,0 +1,506 @@
+"""End-to-end tests of the OpenAI-compatible server (issue 5) on the real SmolLM2 model.
+
+One server process (engine core in its own process) serves the whole module; tests talk to it with
+the official `openai` client and with httpx, on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from serve_helpers import SMALL_ENGINE_ARGS, ServerProcess, wait_for
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of Germany?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess([*SMALL_ENGINE_ARGS, "--served-model-name", "smol", "pagoda-default"]).start()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, f"server did not stop cleanly (exit {code}):\n{srv.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def tokenize(http: httpx.Client, **body) -> list[int]:
+    r = http.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def engine_stats(http: httpx.Client) -> dict:
+    r = http.get("/v1/engine/stats")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_completion(client: openai.OpenAI, **kw) -> tuple[dict[int, str], dict[int, str | None], object]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    usage = None
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                assert c.index not in reasons, "finish_reason sent twice"
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def stream_chat(client: openai.OpenAI, **kw) -> tuple[dict[int, str], dict[int, str | None], object]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    usage = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                assert c.index not in reasons, "finish_reason sent twice"
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+# -- lifecycle and small endpoints ---------------------------------------------------------------
+def test_starting_server_answers_503(server):
+    # The model takes seconds to load; the server listens at once and says so.
+    assert server.health_seen and server.health_seen[-1] == 200
+    assert 503 in server.health_seen
+    assert set(server.health_seen) <= {200, 503}
+    for completion_status, health_after in server.startup_probes:
+        if health_after == 503:  # not ready even after the probe: the probe must have been refused
+            assert completion_status == 503
+
+
+def test_health_version_models(client, http):
+    assert http.get("/health").status_code == 200
+    version = http.get("/version").json()["version"]
+    import pagoda
+
+    assert version == pagoda.__version__
+    models = client.models.list().data
+    assert [m.id for m in models] == ["smol", "pagoda-default"]
+    assert all(m.model_extra["max_model_len"] == 2048 for m in models)
+    assert client.models.retrieve("smol").id == "smol"
+
+
+# -- greedy streaming equals whole ---------------------------------------------------------------
+def test_completion_stream_equals_whole(client, http):
+    kw = dict(model="smol", prompt=PROMPT, max_tokens=24, temperature=0)
+    whole = client.completions.create(**kw)
+    texts, reasons, usage = stream_completion(client, stream_options={"include_usage": True}, **kw)
+    assert texts[0] == whole.choices[0].text and whole.choices[0].text
+    assert reasons[0] == whole.choices[0].finish_reason
+    prompt_ids = tokenize(http, prompt=PROMPT)
+    assert whole.usage.prompt_tokens == usage.prompt_tokens == len(prompt_ids)
+    assert whole.usage.completion_tokens == usage.completion_tokens
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+
+def test_chat_stream_equals_whole(client, http):
+    kw = dict(model="smol", messages=CHAT, max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    texts, reasons, usage = stream_chat(client, stream_options={"include_usage": True}, **kw)
+    assert whole.choices[0].message.role == "assistant"
+    assert texts[0] == whole.choices[0].message.content and texts[0]
+    assert reasons[0] == whole.choices[0].finish_reason
+    assert usage.prompt_tokens == whole.usage.prompt_tokens == len(tokenize(http, messages=CHAT))
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stream_without_include_usage_has_no_usage(client):
+    chunks = list(client.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
+    assert chunks and all(c.usage is None for c in chunks)
+
+
+def test_sse_wire_format_ends_with_done(http):
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        json.loads(e[len("data: "):])
+
+
+# -- n > 1, stop strings, length, logprobs, seeds --------------------------------------------------
+def test_n_greater_than_one(client):
+    kw = dict(model="smol", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in whole.choices)
+    assert whole.usage.completion_tokens == 3 * 8
+    texts, reasons, usage = stream_completion(client, stream_options={"include_usage": True}, **kw)
+    # Each child samples with seed + index: the same texts whether streamed or not.
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert reasons == {0: "length", 1: "length", 2: "length"}
+    assert usage.completion_tokens == 24
+    # Children sample independently (three equal 8-token samples would be a bug, not luck).
+    assert len(set(texts.values())) > 1
+    chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: alike
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model="smol", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    # A stop string from the middle of the greedy text, spanning a token boundary where possible.
+    stop = base[8:12]
+    assert len(stop) == 4 and stop in base
+    expected = base[: base.index(stop)]
+    kw = dict(model="smol", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "zzzz-never"])
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.text == expected
+    assert whole.finish_reason == "stop"
+    assert whole.model_extra["stop_reason"] == stop
+    # Streamed deltas are never retracted: any leaked piece of the stop string would show here.
+    texts, reasons, _ = stream_completion(client, **kw)
+    assert texts[0] == expected and reasons[0] == "stop"
+    with_stop = client.completions.create(extra_body={"include_stop_str_in_output": True}, **kw).choices[0]
+    assert with_stop.text == expected + stop
+    texts, _, _ = stream_completion(client, extra_body={"include_stop_str_in_output": True}, **kw)
+    assert texts[0] == expected + stop
+    # Chat too.
+    chat_base = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=30, temperature=0)
+    content = chat_base.choices[0].message.content
+    chat_stop = content[5:8]
+    chat_kw = dict(model="smol", messages=CHAT, max_tokens=30, temperature=0, stop=chat_stop)
+    chat = client.chat.completions.create(**chat_kw).choices[0]
+    assert chat.message.content == content[: content.index(chat_stop)] and chat.finish_reason == "stop"
+    texts, reasons, _ = stream_chat(client, **chat_kw)
+    assert texts[0] == chat.message.content and reasons[0] == "stop"
+
+
+def test_max_tokens_gives_length(client):
+    out = client.completions.create(model="smol", prompt=PROMPT, max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5
+    chat = client.chat.completions.create(model="smol", messages=CHAT, max_completion_tokens=3, temperature=0)
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 3
+
+
+def test_completion_logprobs_shape(client):
+    kw = dict(model="smol", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    out = client.completions.create(**kw).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == out.text
+    assert lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert tlp <= 0
+        assert 1 <= len(top) <= 4 and top[tok] == tlp
+        assert tlp == pytest.approx(max(top.values()))  # greedy: the sampled token is the most likely
+    texts_lp: list = []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                texts_lp.extend(zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.text_offset))
+    assert [t for t, _, _ in texts_lp] == lp.tokens
+    assert [o for _, _, o in texts_lp] == lp.text_offset
+    assert [x for _, x, _ in texts_lp] == pytest.approx(lp.token_logprobs)
+
+
+def test_chat_logprobs_shape(client):
+    kw = dict(model="smol", messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(**kw)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed.extend(e.token for e in c.logprobs.content)
+    assert streamed == [e.token for e in content]
+    plain = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_seed_reproduces_at_temperature_one(client):
+    kw = dict(model="smol", prompt="Once upon a time", max_tokens=16, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    texts, _, _ = stream_completion(client, seed=1234, **kw)
+    assert a == b == texts[0]
+    others = {client.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)}
+    assert others - {a}, "different seeds should not all give the same 16 tokens"
+    chat_kw = dict(model="smol", messages=CHAT, max_tokens=12, temperature=1.0, seed=99)
+    assert (client.chat.completions.create(**chat_kw).choices[0].message.content
+            == client.chat.completions.create(**chat_kw).choices[0].message.content)
+
+
+def test_prompt_forms_and_echo(client, http):
+    ids = tokenize(http, prompt=PROMPT)
+    by_text = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model="smol", prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    echo = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPT + by_text.choices[0].text
+    texts, _, _ = stream_completion(client, model="smol", prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert texts[0] == PROMPT + by_text.choices[0].text
+    # A list of prompts (strings or token-id lists) with n = 2: choice index = prompt * n + i.
+    other = "The quick brown fox"
+    many = client.completions.create(model="smol", prompt=[PROMPT, other], max_tokens=4, temperature=0, n=2,
+                                     extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+    texts = {c.index: c.text for c in many.choices}
+    assert texts[0] == texts[1] and texts[0] == by_text.choices[0].text[: len(texts[0])]
+    assert many.usage.prompt_tokens == len(ids) + len(tokenize(http, prompt=other))
+    assert many.usage.completion_tokens == 4 * 4
+    many_ids = client.completions.create(model="smol", prompt=[ids, ids], max_tokens=3, temperature=0)
+    assert many_ids.choices[0].text == many_ids.choices[1].text
+
+
+def test_vllm_extensions(client, http):
+    greedy = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    # top_k=1 is greedy whatever the temperature.
+    top1 = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                     extra_body={"top_k": 1, "ignore_eos": True})
+    assert top1.choices[0].text == greedy.choices[0].text
+    # stop_token_ids: stop at the greedy continuation's third token (ids via vLLM's
+    # return_tokens_as_token_ids).
+    lp = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+                                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    gen_ids = [int(t.removeprefix("token_id:")) for t in lp.choices[0].logprobs.tokens]
+    assert len(gen_ids) == 8 and lp.choices[0].text == greedy.choices[0].text
+    stop_id = gen_ids[2]
+    stopped = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"stop_token_ids": [stop_id]}).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == stop_id
+    # min_tokens with a stop token: nothing stops before min_tokens.
+    held = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_id], "min_tokens": 5})
+    assert held.usage.completion_tokens >= 5
+    # The other knobs are accepted and applied (a strong repetition penalty changes greedy text).
+    knobs = client.completions.create(
+        model="smol", prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
+        extra_body={"repetition_penalty": 2.0, "min_p": 0.05, "priority": 3, "ignore_eos": True},
+    )
+    plain = client.completions.create(model="smol", prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert knobs.usage.completion_tokens == 12 and knobs.choices[0].text != plain.choices[0].text
+
+
+def test_tokenize_detokenize(http):
+    r = http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 2048 and len(r["token_strs"]) == r["count"]
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": PROMPT}
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()
+    text = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert CHAT[0]["content"] in text and text.rstrip().endswith("assistant")
+
+
+# -- concurrency --------------------------------------------------------------------------------------
+def test_32_concurrent_streams_with_exact_usage(server, http):
+    prompts = [f"Story number {i}: once upon a time" for i in range(32)]
+    prompt_lens = [len(tokenize(http, prompt=p)) for p in prompts]
+
+    async def run() -> list:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+        async def one(i: int):
+            text, reason, usage, chunks = "", None, None, 0
+            stream = await aclient.completions.create(
+                model="smol", prompt=prompts[i], max_tokens=12, temperature=0.8, seed=i, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                chunks += 1
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for c in chunk.choices:
+                    text += c.text
+                    reason = c.finish_reason or reason
+            return text, reason, usage
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run())
+    assert len(results) == 32
+    for (text, reason, usage), n_prompt in zip(results, prompt_lens):
+        assert text and reason == "length"
+        assert usage.prompt_tokens == n_prompt
+        assert usage.completion_tokens == 12
+        assert usage.total_tokens == n_prompt + 12
+    stats = wait_for(lambda: (s := engine_stats(http))["num_running"] == 0 and s, 30, what="idle engine")
+    assert stats["num_free_blocks"] == stats["num_usable_blocks"]
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+def _bad_cases() -> list:
+    long_prompt = [1] * 2048
+    return [
+        ("invalid temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ("n zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+        ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+        ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+        ("empty token list", "/v1/completions", {"prompt": [[]]}, 400, "prompt"),
+        ("token id out of vocab", "/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+        ("prompt longer than context", "/v1/completions", {"prompt": long_prompt}, 400, "prompt"),
+        ("max_tokens beyond context", "/v1/completions", {"prompt": "x", "max_tokens": 4096}, 400, "max_tokens"),
+        ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),
+        ("min_tokens above max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, None),
+        ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+        ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
+        ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("missing messages", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
+        ("chat prompt too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 2100}]}, 400, "messages"),
+        ("chat max_tokens beyond context", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 5000}, 400, "max_tokens"),
+        ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, None),
+        ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+        ("unknown chat model", "/v1/chat/completions", {"messages": CHAT, "model": "gpt-9"}, 404, "model"),
+        ("detokenize out of vocab", "/detokenize", {"tokens": [-1]}, 400, None),
+        ("tokenize nothing", "/tokenize", {}, 400, None),
+    ]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_request_gets_error_shape(http, client, name, path, body, status, param):
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+    ok = client.completions.create(model="smol", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert ok.choices[0].text and ok.usage.completion_tokens == 2
+
+
+def test_malformed_json_and_wrong_content(http, client):
+    for raw in (b"{not json", b"", b"[1, 2", b"null"):
+        r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (raw, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = http.get("/v1/no-such-route")
+    assert r.status_code == 404 and "error" in r.json()
+    assert client.completions.create(model="smol", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt=PROMPT, max_tokens=4096)
+    assert "context length" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT)
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server, http):
+    body = {"model": "smol", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": True}
+    expected = http.post("/v1/completions", json={**body, "stream": False}).json()["choices"][0]["text"]
+
+    async def run() -> str:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
+            async def stream() -> str:
+                text = ""
+                async with ac.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            for c in json.loads(line[6:])["choices"]:
+                                text += c["text"]
+                return text
+
+            async def bad() -> list[int]:
+                codes = []
+                for _, path, b, _, _ in _bad_cases():
+                    codes.append((await ac.post(path, json=b)).status_code)
+                return codes
+
+            text, codes = await asyncio.gather(stream(), bad())
+            assert all(c in (400, 404) for c in codes)
+            return text
+
+    assert asyncio.run(run()) == expected
+
+
+# -- cancellation ---------------------------------------------------------------------------------------
+LONG = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+
+def _idle_and_free(http: httpx.Client):
+    s = engine_stats(http)
+    done = s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_usable_blocks"]
+    return s if done else None
+
+
+def test_disconnect_mid_stream_frees_blocks(server, http, client):
+    before = engine_stats(http)
+    assert before["num_free_blocks"] == before["num_usable_blocks"]
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            lines = r.iter_lines()
+            chunks = 0
+            for line in lines:
+                if line.startswith("data: "):
+                    chunks += 1
+                if chunks == 3:
+                    break
+            running = engine_stats(http)
+            assert running["num_running"] == 1 and running["num_free_blocks"] < running["num_usable_blocks"]
+        # Leaving the block closed the connection mid-stream (1500 tokens are far from done).
+    after = wait_for(lambda: _idle_and_free(http), 30, what="blocks freed after disconnect")
+    assert after["num_aborted_requests"] == before["num_aborted_requests"] + 1
+    out = client.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert out.choices[0].text and out.usage.completion_tokens == 4
+
+
+def test_disconnect_of_whole_response_frees_blocks(server, http, client):
+    before = engine_stats(http)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
+            task = asyncio.create_task(ac.post("/v1/completions", json=LONG))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while engine_stats(http)["num_running"] != 1:
+                assert loop.time() < deadline, "the request never started running"
+                await asyncio.sleep(0.05)
+            task.cancel()  # the client goes away before the (long) response is ready
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(run())
+    after = wait_for(lambda: _idle_and_free(http), 30, what="blocks freed after disconnect")
+    assert after["num_aborted_requests"] == before["num_aborted_requests"] + 1
+    chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=3, temperature=0)
+    assert chat.usage.completion_tokens == 3
