@@ -133,10 +133,8 @@ class PagodaRunner:
             )
 
     def reset_prefix_cache(self) -> None:
-        # Reaches into the in-process core: there is no public LLM method for it yet, and without
-        # it a repeated run would find the previous run's prompts cached.
-        kv = getattr(getattr(self.llm.engine, "core", None), "kv_manager", None)
-        if kv is not None and hasattr(kv, "reset_prefix_cache") and not kv.reset_prefix_cache():
+        # Without it a repeated run would find the previous run's prompts cached.
+        if not self.llm.reset_prefix_cache():
             raise BenchError("could not reset the prefix cache between runs (blocks still in use)")
 
     def _generate(self, requests: list[BenchRequest]) -> list[Any]:

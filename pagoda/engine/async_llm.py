@@ -519,6 +519,10 @@ class AsyncLLM:
         """A fresh snapshot from the core (after every input sent before this call was handled)."""
         return EngineCoreStats(**await self.call_utility("stats"))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block; False (nothing done) while requests hold blocks."""
+        return bool(await self.call_utility("reset_prefix_cache"))
+
 
 class RequestStream:
     """One request's delta outputs, as an async iterator. `close()` (idempotent, synchronous, so it

@@ -75,6 +75,8 @@ class EngineCoreProc:
         self.utilities: dict[str, Callable[..., Any]] = {
             "stats": lambda: msgspec.structs.asdict(self.stats()),
             "ping": lambda: "pong",
+            # False while requests hold blocks (the KV manager refuses then).
+            "reset_prefix_cache": lambda: bool(self.core.kv_manager.reset_prefix_cache()),
         }
 
     # -- setup ---------------------------------------------------------------------------------
@@ -233,7 +235,12 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, parent_
         proc.run()
     except Exception as exc:
         code = 1
-        logger.error("engine core failed:\n%s", traceback.format_exc())
+        from pagoda.model.errors import ModelLoadError
+
+        if isinstance(exc, (ModelLoadError, ValueError)):  # a user error (model, sizes): no traceback
+            logger.error("engine core failed: %s", exc)
+        else:
+            logger.error("engine core failed:\n%s", traceback.format_exc())
         try:
             proc._send(EngineCoreOutputs(failed=f"{type(exc).__name__}: {exc}", timestamp=time.time()))
         except Exception:

@@ -23,6 +23,10 @@ class LLM:
         llm.engine = engine
         return llm
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while requests hold blocks."""
+        return self.engine.core.kv_manager.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -171,6 +171,10 @@ def load_tokenizer(source: ModelSource):
     """The tokenizer (with its chat template) from transformers; None when the folder has none."""
     from transformers import AutoTokenizer
 
+    if not source.is_gguf and not any(
+        (source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    ):
+        return None  # e.g. a random-weight model saved without one: run on token ids
     try:
         if source.is_gguf:
             return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)

@@ -284,6 +284,19 @@ async def engine_stats(request: Request) -> dict:
     return out
 
 
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    """Drop the prefix cache (for benchmarks that must not reuse earlier prompts); refused while
+    requests hold blocks."""
+    state = get_state(request)
+    state.check_accepting()
+    try:
+        done = await state.engine.reset_prefix_cache()
+    except Exception as exc:
+        raise unavailable(f"cannot reach the engine core: {exc}") from None
+    return {"reset": done}
+
+
 # -- the app ---------------------------------------------------------------------------------------
 def build_app(state: ServerState) -> FastAPI:
     from pagoda.serve.openai_api import router as openai_router

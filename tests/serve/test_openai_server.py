@@ -1,5 +1,10 @@
 """End-to-end tests of the OpenAI-compatible server (issue 5) on the real SmolLM2 model.
 
+The server is started exactly as `make serve` starts it (no flags: the default model, dtype and KV
+cache; the port comes from $PAGODA_PORT), so these tests are also the check that `make serve` on a
+fresh clone serves the default model and answers the `openai` client. Where `make` cannot run
+without installing anything, the same `pagoda serve` command is started directly.
+
 One server process (engine core in its own process) serves the whole module; tests talk to it with
 the official `openai` client and with httpx, on 127.0.0.1.
 """
@@ -8,28 +13,49 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
+import sys
 
 import httpx
 import openai
 import pytest
 
-from serve_helpers import SMALL_ENGINE_ARGS, ServerProcess, wait_for
+from serve_helpers import REPO, ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 
+MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of Germany?"}]
 
 
+def _make_serve_cmd() -> list[str] | None:
+    """`make serve`, when it would start the server without installing anything first."""
+    if shutil.which("make") is None:
+        return None
+    # `make -q` exits 0 only when the target is up to date; otherwise `make serve` would pip install.
+    if subprocess.run(["make", "-q", "install"], cwd=REPO, capture_output=True).returncode != 0:
+        return None
+    return ["make", "--no-print-directory", "serve"]
+
+
+MAKE_SERVE = _make_serve_cmd()
+
+
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess([*SMALL_ENGINE_ARGS, "--served-model-name", "smol", "pagoda-default"]).start()
+    cmd = MAKE_SERVE or [sys.executable, "-m", "pagoda.cli", "serve"]
+    srv = ServerProcess(cmd=cmd).start()
     try:
         srv.wait_ready()
         yield srv
     finally:
-        code = srv.stop()
-        assert code == 0, f"server did not stop cleanly (exit {code}):\n{srv.log_tail()}"
+        # As a terminal or systemd stops it: SIGTERM to the whole group (make, server, core).
+        srv.stop(group=True)
+        log = srv.log_tail(20000)
+        assert "Application shutdown complete" in log, log
+        assert "Traceback" not in log, log
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +67,11 @@ def client(server):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def max_len(http) -> int:
+    return http.get("/v1/models").json()["data"][0]["max_model_len"]
 
 
 def tokenize(http: httpx.Client, **body) -> list[int]:
@@ -96,21 +127,33 @@ def test_starting_server_answers_503(server):
             assert completion_status == 503
 
 
-def test_health_version_models(client, http):
+def test_make_serve_serves_the_default_model(server, client, http, max_len):
+    if MAKE_SERVE is None:
+        pytest.skip("make cannot run `make serve` here without installing; started `pagoda serve` instead")
+    assert server.cmd[0] == "make"
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content
+
+
+def test_health_version_models(client, http, max_len):
     assert http.get("/health").status_code == 200
     version = http.get("/version").json()["version"]
     import pagoda
 
     assert version == pagoda.__version__
     models = client.models.list().data
-    assert [m.id for m in models] == ["smol", "pagoda-default"]
-    assert all(m.model_extra["max_model_len"] == 2048 for m in models)
-    assert client.models.retrieve("smol").id == "smol"
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == max_len > 0
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
 
 
 # -- greedy streaming equals whole ---------------------------------------------------------------
 def test_completion_stream_equals_whole(client, http):
-    kw = dict(model="smol", prompt=PROMPT, max_tokens=24, temperature=0)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     whole = client.completions.create(**kw)
     texts, reasons, usage = stream_completion(client, stream_options={"include_usage": True}, **kw)
     assert texts[0] == whole.choices[0].text and whole.choices[0].text
@@ -122,7 +165,7 @@ def test_completion_stream_equals_whole(client, http):
 
 
 def test_chat_stream_equals_whole(client, http):
-    kw = dict(model="smol", messages=CHAT, max_tokens=40, temperature=0)
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
     whole = client.chat.completions.create(**kw)
     texts, reasons, usage = stream_chat(client, stream_options={"include_usage": True}, **kw)
     assert whole.choices[0].message.role == "assistant"
@@ -133,7 +176,7 @@ def test_chat_stream_equals_whole(client, http):
 
 
 def test_stream_without_include_usage_has_no_usage(client):
-    chunks = list(client.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
     assert chunks and all(c.usage is None for c in chunks)
 
 
@@ -151,7 +194,7 @@ def test_sse_wire_format_ends_with_done(http):
 
 # -- n > 1, stop strings, length, logprobs, seeds --------------------------------------------------
 def test_n_greater_than_one(client):
-    kw = dict(model="smol", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3, extra_body={"ignore_eos": True})
     whole = client.completions.create(**kw)
     assert sorted(c.index for c in whole.choices) == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in whole.choices)
@@ -163,18 +206,18 @@ def test_n_greater_than_one(client):
     assert usage.completion_tokens == 24
     # Children sample independently (three equal 8-token samples would be a bug, not luck).
     assert len(set(texts.values())) > 1
-    chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=6, temperature=0, n=2)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, n=2)
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: alike
 
 
 def test_stop_strings(client):
-    base = client.completions.create(model="smol", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     # A stop string from the middle of the greedy text, spanning a token boundary where possible.
     stop = base[8:12]
     assert len(stop) == 4 and stop in base
     expected = base[: base.index(stop)]
-    kw = dict(model="smol", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "zzzz-never"])
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "zzzz-never"])
     whole = client.completions.create(**kw).choices[0]
     assert whole.text == expected
     assert whole.finish_reason == "stop"
@@ -187,10 +230,10 @@ def test_stop_strings(client):
     texts, _, _ = stream_completion(client, extra_body={"include_stop_str_in_output": True}, **kw)
     assert texts[0] == expected + stop
     # Chat too.
-    chat_base = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=30, temperature=0)
+    chat_base = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0)
     content = chat_base.choices[0].message.content
     chat_stop = content[5:8]
-    chat_kw = dict(model="smol", messages=CHAT, max_tokens=30, temperature=0, stop=chat_stop)
+    chat_kw = dict(model=MODEL, messages=CHAT, max_tokens=30, temperature=0, stop=chat_stop)
     chat = client.chat.completions.create(**chat_kw).choices[0]
     assert chat.message.content == content[: content.index(chat_stop)] and chat.finish_reason == "stop"
     texts, reasons, _ = stream_chat(client, **chat_kw)
@@ -198,16 +241,16 @@ def test_stop_strings(client):
 
 
 def test_max_tokens_gives_length(client):
-    out = client.completions.create(model="smol", prompt=PROMPT, max_tokens=5, temperature=0,
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 5
-    chat = client.chat.completions.create(model="smol", messages=CHAT, max_completion_tokens=3, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=3, temperature=0)
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 3
 
 
 def test_completion_logprobs_shape(client):
-    kw = dict(model="smol", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True})
     out = client.completions.create(**kw).choices[0]
     lp = out.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
@@ -229,7 +272,7 @@ def test_completion_logprobs_shape(client):
 
 
 def test_chat_logprobs_shape(client):
-    kw = dict(model="smol", messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     out = client.chat.completions.create(**kw)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
@@ -245,80 +288,80 @@ def test_chat_logprobs_shape(client):
             if c.logprobs is not None:
                 streamed.extend(e.token for e in c.logprobs.content)
     assert streamed == [e.token for e in content]
-    plain = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=2, temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
 
 
 def test_seed_reproduces_at_temperature_one(client):
-    kw = dict(model="smol", prompt="Once upon a time", max_tokens=16, temperature=1.0,
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
               extra_body={"ignore_eos": True})
     a = client.completions.create(seed=1234, **kw).choices[0].text
     b = client.completions.create(seed=1234, **kw).choices[0].text
     texts, _, _ = stream_completion(client, seed=1234, **kw)
     assert a == b == texts[0]
     others = {client.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)}
-    assert others - {a}, "different seeds should not all give the same 16 tokens"
-    chat_kw = dict(model="smol", messages=CHAT, max_tokens=12, temperature=1.0, seed=99)
+    assert others - {a}, "different seeds should not all give the same 10 tokens"
+    chat_kw = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, seed=99)
     assert (client.chat.completions.create(**chat_kw).choices[0].message.content
             == client.chat.completions.create(**chat_kw).choices[0].message.content)
 
 
 def test_prompt_forms_and_echo(client, http):
     ids = tokenize(http, prompt=PROMPT)
-    by_text = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0)
-    by_ids = client.completions.create(model="smol", prompt=ids, max_tokens=6, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
-    echo = client.completions.create(model="smol", prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
     assert echo.choices[0].text == PROMPT + by_text.choices[0].text
-    texts, _, _ = stream_completion(client, model="smol", prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    texts, _, _ = stream_completion(client, model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
     assert texts[0] == PROMPT + by_text.choices[0].text
     # A list of prompts (strings or token-id lists) with n = 2: choice index = prompt * n + i.
     other = "The quick brown fox"
-    many = client.completions.create(model="smol", prompt=[PROMPT, other], max_tokens=4, temperature=0, n=2,
+    many = client.completions.create(model=MODEL, prompt=[PROMPT, other], max_tokens=4, temperature=0, n=2,
                                      extra_body={"ignore_eos": True})
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
     texts = {c.index: c.text for c in many.choices}
     assert texts[0] == texts[1] and texts[0] == by_text.choices[0].text[: len(texts[0])]
     assert many.usage.prompt_tokens == len(ids) + len(tokenize(http, prompt=other))
     assert many.usage.completion_tokens == 4 * 4
-    many_ids = client.completions.create(model="smol", prompt=[ids, ids], max_tokens=3, temperature=0)
+    many_ids = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=3, temperature=0)
     assert many_ids.choices[0].text == many_ids.choices[1].text
 
 
 def test_vllm_extensions(client, http):
-    greedy = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0,
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
                                        extra_body={"ignore_eos": True})
     # top_k=1 is greedy whatever the temperature.
-    top1 = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=1.0,
+    top1 = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0,
                                      extra_body={"top_k": 1, "ignore_eos": True})
     assert top1.choices[0].text == greedy.choices[0].text
     # stop_token_ids: stop at the greedy continuation's third token (ids via vLLM's
     # return_tokens_as_token_ids).
-    lp = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+    lp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
                                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     gen_ids = [int(t.removeprefix("token_id:")) for t in lp.choices[0].logprobs.tokens]
     assert len(gen_ids) == 8 and lp.choices[0].text == greedy.choices[0].text
     stop_id = gen_ids[2]
-    stopped = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0,
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
                                         extra_body={"stop_token_ids": [stop_id]}).choices[0]
     assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == stop_id
     # min_tokens with a stop token: nothing stops before min_tokens.
-    held = client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0,
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
                                      extra_body={"stop_token_ids": [stop_id], "min_tokens": 5})
     assert held.usage.completion_tokens >= 5
     # The other knobs are accepted and applied (a strong repetition penalty changes greedy text).
     knobs = client.completions.create(
-        model="smol", prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
+        model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
         extra_body={"repetition_penalty": 2.0, "min_p": 0.05, "priority": 3, "ignore_eos": True},
     )
-    plain = client.completions.create(model="smol", prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
+    plain = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert knobs.usage.completion_tokens == 12 and knobs.choices[0].text != plain.choices[0].text
 
 
-def test_tokenize_detokenize(http):
+def test_tokenize_detokenize(http, max_len):
     r = http.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
-    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 2048 and len(r["token_strs"]) == r["count"]
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == max_len and len(r["token_strs"]) == r["count"]
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": PROMPT}
     chat = http.post("/tokenize", json={"messages": CHAT}).json()
     text = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
@@ -336,7 +379,7 @@ def test_32_concurrent_streams_with_exact_usage(server, http):
         async def one(i: int):
             text, reason, usage, chunks = "", None, None, 0
             stream = await aclient.completions.create(
-                model="smol", prompt=prompts[i], max_tokens=12, temperature=0.8, seed=i, stream=True,
+                model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0.8, seed=i, stream=True,
                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             )
             async for chunk in stream:
@@ -365,8 +408,11 @@ def test_32_concurrent_streams_with_exact_usage(server, http):
 
 
 # -- bad input ------------------------------------------------------------------------------------------
+# Bad requests; CONTEXT stands for the server's max_model_len (read at run time).
+CONTEXT = object()
+
+
 def _bad_cases() -> list:
-    long_prompt = [1] * 2048
     return [
         ("invalid temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
         ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
@@ -375,17 +421,18 @@ def _bad_cases() -> list:
         ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt"),
         ("empty token list", "/v1/completions", {"prompt": [[]]}, 400, "prompt"),
         ("token id out of vocab", "/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
-        ("prompt longer than context", "/v1/completions", {"prompt": long_prompt}, 400, "prompt"),
-        ("max_tokens beyond context", "/v1/completions", {"prompt": "x", "max_tokens": 4096}, 400, "max_tokens"),
+        ("prompt longer than context", "/v1/completions", {"prompt": ("ids", CONTEXT)}, 400, "prompt"),
+        ("max_tokens beyond context", "/v1/completions", {"prompt": "x", "max_tokens": CONTEXT}, 400, "max_tokens"),
         ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),
         ("min_tokens above max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, None),
         ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
         ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
         ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("missing messages", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
-        ("chat prompt too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 2100}]}, 400, "messages"),
-        ("chat max_tokens beyond context", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 5000}, 400, "max_tokens"),
+        ("chat prompt too long", "/v1/chat/completions", {"messages": ("words", CONTEXT)}, 400, "messages"),
+        ("chat max_tokens beyond context", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": CONTEXT}, 400, "max_tokens"),
         ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, None),
+        ("unsupported content part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
         ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
         ("unknown chat model", "/v1/chat/completions", {"messages": CHAT, "model": "gpt-9"}, 404, "model"),
         ("detokenize out of vocab", "/detokenize", {"tokens": [-1]}, 400, None),
@@ -393,9 +440,23 @@ def _bad_cases() -> list:
     ]
 
 
+def _concrete(body: dict, max_len: int) -> dict:
+    """Fill in the CONTEXT placeholders: just over the context, in tokens or words."""
+    out = {}
+    for k, v in body.items():
+        if v is CONTEXT:
+            v = max_len + 1
+        elif v == ("ids", CONTEXT):
+            v = [1] * max_len
+        elif v == ("words", CONTEXT):
+            v = [{"role": "user", "content": "hi " * (max_len + 50)}]
+        out[k] = v
+    return out
+
+
 @pytest.mark.parametrize("name,path,body,status,param", _bad_cases(), ids=[c[0] for c in _bad_cases()])
-def test_bad_request_gets_error_shape(http, client, name, path, body, status, param):
-    r = http.post(path, json=body)
+def test_bad_request_gets_error_shape(http, client, max_len, name, path, body, status, param):
+    r = http.post(path, json=_concrete(body, max_len))
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -403,7 +464,7 @@ def test_bad_request_gets_error_shape(http, client, name, path, body, status, pa
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param
-    ok = client.completions.create(model="smol", prompt=PROMPT, max_tokens=2, temperature=0)
+    ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
     assert ok.choices[0].text and ok.usage.completion_tokens == 2
 
 
@@ -414,19 +475,19 @@ def test_malformed_json_and_wrong_content(http, client):
         assert r.json()["error"]["type"] == "invalid_request_error"
     r = http.get("/v1/no-such-route")
     assert r.status_code == 404 and "error" in r.json()
-    assert client.completions.create(model="smol", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
 
 
-def test_openai_client_raises_typed_errors(client):
+def test_openai_client_raises_typed_errors(client, max_len):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="smol", prompt=PROMPT, max_tokens=4096)
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_len)
     assert "context length" in e.value.message
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT)
 
 
-def test_bad_requests_do_not_disturb_a_running_stream(server, http):
-    body = {"model": "smol", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": True}
+def test_bad_requests_do_not_disturb_a_running_stream(server, http, max_len):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": True}
     expected = http.post("/v1/completions", json={**body, "stream": False}).json()["choices"][0]["text"]
 
     async def run() -> str:
@@ -443,7 +504,7 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, http):
             async def bad() -> list[int]:
                 codes = []
                 for _, path, b, _, _ in _bad_cases():
-                    codes.append((await ac.post(path, json=b)).status_code)
+                    codes.append((await ac.post(path, json=_concrete(b, max_len))).status_code)
                 return codes
 
             text, codes = await asyncio.gather(stream(), bad())
@@ -454,7 +515,7 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, http):
 
 
 # -- cancellation ---------------------------------------------------------------------------------------
-LONG = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 
 
 def _idle_and_free(http: httpx.Client):
@@ -480,7 +541,7 @@ def test_disconnect_mid_stream_frees_blocks(server, http, client):
         # Leaving the block closed the connection mid-stream (1500 tokens are far from done).
     after = wait_for(lambda: _idle_and_free(http), 30, what="blocks freed after disconnect")
     assert after["num_aborted_requests"] == before["num_aborted_requests"] + 1
-    out = client.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert out.choices[0].text and out.usage.completion_tokens == 4
 
 
@@ -502,5 +563,5 @@ def test_disconnect_of_whole_response_frees_blocks(server, http, client):
     asyncio.run(run())
     after = wait_for(lambda: _idle_and_free(http), 30, what="blocks freed after disconnect")
     assert after["num_aborted_requests"] == before["num_aborted_requests"] + 1
-    chat = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=3, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
     assert chat.usage.completion_tokens == 3

@@ -1,6 +1,7 @@
-"""Tenants and admission control on a real server (issue 5): API keys (401), a per-key
-requests-per-second and tokens-per-minute limit (429 with Retry-After), a bound on the waiting queue
-(429), tenant priorities reaching the scheduler, and the per-request timeout (504, blocks freed).
+"""A server started with flags (issue 5): vLLM's engine flags, several served model names, API keys
+(401), a per-key requests-per-second and tokens-per-minute limit (429 with Retry-After), a bound on
+the waiting queue (429), tenant priorities reaching the scheduler, the per-request timeout (504,
+blocks freed), and, last, the death of its engine core (503, in-flight error, exit code 1).
 
 The server runs one sequence at a time (--max-num-seqs 1) with priority scheduling, so that a
 long request makes later ones wait in a known order.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -41,7 +44,8 @@ def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(KEYS_FILE)
     srv = ServerProcess([
-        *SMALL_ENGINE_ARGS, "--api-keys-file", str(keys), "--api-key", "sk-flag",
+        *SMALL_ENGINE_ARGS, "--served-model-name", "smol", "pagoda-small",
+        "--api-keys-file", str(keys), "--api-key", "sk-flag",
         "--scheduling-policy", "priority", "--max-num-seqs", "1",
         "--max-waiting-requests", "2", "--request-timeout", str(TIMEOUT_S),
     ]).start()
@@ -49,8 +53,10 @@ def server(tmp_path_factory):
         srv.wait_ready(probe_headers=auth("sk-open"))
         yield srv
     finally:
+        already_exited = srv.proc.poll() is not None  # the engine-core test ends it
         code = srv.stop()
-        assert code == 0, f"server did not stop cleanly (exit {code}):\n{srv.log_tail()}"
+        if not already_exited:
+            assert code == 0, f"server did not stop cleanly (exit {code}):\n{srv.log_tail()}"
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +99,7 @@ def test_api_keys(server, http):
     # Keys from the flag and from the file work, with the openai client too.
     for key in ("sk-flag", "sk-open"):
         c = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0)
-        assert c.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+        assert c.completions.create(model="smol", prompt="Hi", max_tokens=1).usage.completion_tokens == 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url, api_key="sk-nope", max_retries=0).models.list()
 
@@ -209,3 +215,47 @@ def test_request_timeout_aborts_and_frees_blocks(server, http):
     assert after["num_aborted_requests"] == before["num_aborted_requests"] + 2
     ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_served_model_names_and_engine_flags(server, http):
+    models = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["smol", "pagoda-small"]
+    assert all(m["max_model_len"] == 2048 for m in models)  # --max-model-len
+    for name in ("smol", "pagoda-small"):
+        r = http.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == name
+    assert stats(http)["num_usable_blocks"] == 399  # --num-gpu-blocks-override 400 (one is the null block)
+
+
+# Must stay last: it kills this module's server.
+def test_dead_engine_core_fails_requests_and_exits_nonzero(server, http):
+    client = openai.OpenAI(base_url=server.base_url, api_key="sk-open", max_retries=0, timeout=60)
+    core_pid = stats(http)["pid"]
+    assert core_pid and core_pid != server.proc.pid
+    stream = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=1000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert next(iter(stream)).choices
+    os.kill(core_pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    # The in-flight stream ends with an error at once, not a hang.
+    with pytest.raises(openai.APIError) as err:
+        for _ in stream:
+            pass
+    assert "engine" in err.value.message
+    # /health answers 503 until the server exits (it lingers briefly so that probes can see it),
+    # and new work is refused with 503.
+    seen: list[int] = []
+    while time.monotonic() - t0 < 15 and server.proc.poll() is None:
+        try:
+            seen.append(http.get("/health").status_code)
+        except httpx.TransportError:
+            break
+        if seen[-1] == 503:
+            r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+            assert_error(r, 503, "service_unavailable_error")
+            break
+        time.sleep(0.05)
+    assert 503 in seen, seen
+    code = server.wait_exit(15 - (time.monotonic() - t0) + 1)
+    assert code == 1, f"exit code {code}:\n{server.log_tail()}"
+    assert time.monotonic() - t0 < 15
