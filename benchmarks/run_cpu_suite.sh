@@ -55,15 +55,15 @@ run cpu-offline-bf16 $OFFLINE --dtype bfloat16 $EXTRA
 
 # CPU-prefix: 64 requests, a 1,024-token shared prefix plus 32 unique tokens, 32 output tokens.
 # shellcheck disable=SC2086
-run cpu-prefix-bf16 bench throughput --workload prefix --num-prompts $N --prefix-len $PLEN --suffix-len $SLEN \
-    --output-len $POLEN --seed 0 --compare hf --hf-batch-sizes $HFBS --runs "$RUNS" --dtype bfloat16 $EXTRA
+run cpu-prefix bench throughput --workload prefix --num-prompts $N --prefix-len $PLEN --suffix-len $SLEN \
+    --output-len $POLEN --seed 0 --compare hf --hf-batch-sizes $HFBS --runs "$RUNS" --dtype auto $EXTRA
 
 # CPU-serve: 128 requests at 4 requests/s, prompts in [32, 512], 128 output tokens, against `pagoda serve`.
 if [ "$SERVE" = auto ]; then
     if "$PAGODA" serve --help >/dev/null 2>&1; then SERVE=1; else SERVE=0; echo "(no 'pagoda serve' yet: CPU-serve skipped)"; fi
 fi
 if [ "$SERVE" = 1 ]; then
-    "$PAGODA" serve --host 127.0.0.1 --port "$PORT" --dtype bfloat16 >"$OUT/cpu-serve-server.log" 2>&1 &
+    "$PAGODA" serve --host 127.0.0.1 --port "$PORT" --dtype auto >"$OUT/cpu-serve-server.log" 2>&1 &
     server_pid=$!
     trap 'kill "$server_pid" 2>/dev/null; wait "$server_pid" 2>/dev/null' EXIT
     # Ready when a one-token completion succeeds (/v1/models may answer while the model still
@@ -97,7 +97,7 @@ PY
 fi
 
 jsons=()
-for f in "$OUT"/cpu-offline-fp32.json "$OUT"/cpu-offline-bf16.json "$OUT"/cpu-prefix-bf16.json "$OUT"/cpu-serve.json; do
+for f in "$OUT"/cpu-offline-fp32.json "$OUT"/cpu-offline-bf16.json "$OUT"/cpu-prefix.json "$OUT"/cpu-serve.json; do
     [ -f "$f" ] && jsons+=("$f")
 done
 if [ ${#jsons[@]} -gt 0 ]; then

@@ -144,6 +144,12 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
         self.runner.release(request_ids)
 
+    def has_request(self, request_id: str) -> bool:
+        """True while the request is unfinished (scheduled, waiting, or deferred behind a sibling)."""
+        if request_id in self.scheduler.requests:
+            return True
+        return any(r.request_id == request_id for reqs in self._deferred.values() for r in reqs)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or any(self._deferred.values())
 

@@ -161,10 +161,7 @@ class EngineCoreProc:
             logger.error("unknown input kind %r", kind)
 
     def _knows(self, rid: str) -> bool:
-        core = self.core
-        if rid in core.scheduler.requests:
-            return True
-        return any(r.request_id == rid for reqs in core._deferred.values() for r in reqs)
+        return self.core.has_request(rid)
 
     def _drain_inputs(self) -> None:
         while True:

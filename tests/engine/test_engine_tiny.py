@@ -123,7 +123,7 @@ def test_messages_round_trip():
 def test_bad_prompts_rejected_without_disturbing_others(tiny):
     loaded, _ = tiny
     llm = make_engine(loaded, num_gpu_blocks_override=64, max_model_len=64)
-    with pytest.raises(ValueError, match="context of 64 tokens"):
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
         llm.generate([[1] * 64], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], SamplingParams(max_tokens=4), use_tqdm=False)
