@@ -36,8 +36,10 @@ def test_greedy_32_tokens_match_transformers(smollm2_fp32, smollm2_tokenizer, sm
         assert out.outputs[0].token_ids == smollm2_hf_greedy32[i], f"prompt {i}"
 
 
-# bf16 rounding can flip a near-tie; the test below records the prompts where that happens.
-BF16_NEAR_TIES: set[int] = set()
+# bf16 rounding can flip a near-tie. A prompt may differ from the fp32 reference only where the fp32
+# reference's top two logits are within NEAR_TIE of each other at the first differing token (on this
+# machine: 4 of 16 prompts, at margins 0.01-0.13); anywhere else a difference is a bug.
+NEAR_TIE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +49,21 @@ def smollm2_bf16():
     return load_model(None, dtype="bfloat16")
 
 
-def test_bf16_first_8_tokens_equal_fp32(smollm2_bf16, smollm2_tokenizer, smollm2_prompt_ids, smollm2_hf_greedy32):
+def test_bf16_first_8_tokens_equal_fp32(smollm2_bf16, hf_smollm2, smollm2_tokenizer, smollm2_prompt_ids, smollm2_hf_greedy32):
     assert smollm2_bf16.model.model.embed_tokens.weight.dtype == torch.bfloat16
     llm = make_engine(smollm2_bf16, smollm2_tokenizer, enable_prefix_caching=False, num_gpu_blocks_override=256)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids], params, use_tqdm=False)
-    mismatched = {i for i, o in enumerate(outs) if o.outputs[0].token_ids != smollm2_hf_greedy32[i][:8]}
-    assert mismatched == BF16_NEAR_TIES
+    near_ties = []
+    for i, out in enumerate(outs):
+        got, want = out.outputs[0].token_ids, smollm2_hf_greedy32[i][:8]
+        if got == want:
+            continue
+        first = next(k for k in range(8) if got[k] != want[k])
+        with torch.no_grad():
+            logits = hf_smollm2(torch.tensor([smollm2_prompt_ids[i] + want[:first]])).logits[0, -1]
+        top2 = torch.topk(logits, 2).values
+        margin = float(top2[0] - top2[1])
+        assert margin < NEAR_TIE, f"prompt {i}: bf16 differs at token {first} where fp32's margin is {margin:.3f}"
+        near_ties.append(i)
+    assert len(near_ties) <= 4, f"bf16 flipped {near_ties}"
