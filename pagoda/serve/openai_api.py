@@ -296,6 +296,20 @@ async def _completion_whole(state: ServerState, body: CompletionRequest, prep: _
     }
 
 
+def _usage_event(request_id: str, obj: str, created: int, prep: _Prepared, completion_tokens: int, cached: int) -> str:
+    """The last event of a stream asked with stream_options.include_usage: no choices, the totals."""
+    return sse(
+        {
+            "id": request_id,
+            "object": obj,
+            "created": created,
+            "model": prep.model,
+            "choices": [],
+            "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
+        }
+    )
+
+
 async def _completion_events(state: ServerState, body: CompletionRequest, prep: _Prepared, request_id: str,
                              streams: list[RequestStream]) -> AsyncIterator[str]:
     n = prep.params.n
@@ -349,16 +363,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
                     )
                 yield sse(chunk)
         if include_usage:
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": prep.model,
-                    "choices": [],
-                    "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
-                }
-            )
+            yield _usage_event(request_id, "text_completion", created, prep, completion_tokens, cached)
         yield SSE_DONE
     except Exception as exc:
         yield sse(engine_error(exc).body())
@@ -478,16 +483,7 @@ async def _chat_events(body: ChatCompletionRequest, prep: _Prepared, request_id:
                 delta = {"content": seq.text} if seq.text or reason is None else {}
                 yield chunk(seq.index, delta, logprobs, reason, seq.stop_reason if reason is not None else None)
         if include_usage:
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": prep.model,
-                    "choices": [],
-                    "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
-                }
-            )
+            yield _usage_event(request_id, "chat.completion.chunk", created, prep, completion_tokens, cached)
         yield SSE_DONE
     except Exception as exc:
         yield sse(engine_error(exc).body())
