@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from pagoda.model import gguf_cache
 from pagoda.model.errors import ModelLoadError
 from pagoda.model.layers import RotaryEmbedding
 from pagoda.model.registry import resolve_architecture
@@ -128,6 +129,22 @@ def _safetensors_tensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str
                 yield name, st.get_tensor(name).to(dtype)
 
 
+def _remember(weights: Iterator[tuple[str, torch.Tensor]], into: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        into[name] = tensor
+        yield name, tensor
+
+
+def _store_converted(path: Path, dtype: torch.dtype, config, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    def write(folder: Path) -> None:
+        config.save_pretrained(folder)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+
+    gguf_cache.store(path, f"weights-{dtype}".replace("torch.", ""), write)
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -141,7 +158,8 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     device = torch.device(device)
     source = resolve_model(model)
     torch_dtype = resolve_dtype(dtype, device)
-    config = load_config(source)
+    cached = gguf_cache.lookup(source.path, f"weights-{torch_dtype}".replace("torch.", "")) if source.is_gguf else None
+    config = load_config(ModelSource(cached, False, source.name) if cached else source)
     arch, cls = resolve_architecture(config, str(source.path))
     # Build on the meta device so no memory is spent on random init that the weights overwrite.
     previous = torch.get_default_dtype()
@@ -155,15 +173,21 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
-    if source.is_gguf:
+    converted: dict[str, torch.Tensor] | None = None
+    if cached:
+        weights = _safetensors_tensors(cached, torch_dtype)
+    elif source.is_gguf:
         from pagoda.model.gguf_file import gguf_tensors, open_gguf
 
-        weights = gguf_tensors(open_gguf(source.path), source.path, config, torch_dtype)
+        converted = {}
+        weights = _remember(gguf_tensors(open_gguf(source.path), source.path, config, torch_dtype), converted)
     else:
         weights = _safetensors_tensors(source.path, torch_dtype)
     with torch.no_grad():
         net.load_weights(weights, source=str(source.path))
     net.eval()
+    if converted:
+        _store_converted(source.path, torch_dtype, config, converted)
     return LoadedModel(net, config, arch, source, torch_dtype)
 
 
@@ -177,7 +201,12 @@ def load_tokenizer(source: ModelSource):
         return None  # e.g. a random-weight model saved without one: run on token ids
     try:
         if source.is_gguf:
-            return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+            cached = gguf_cache.lookup(source.path, "tokenizer")
+            if cached:
+                return AutoTokenizer.from_pretrained(str(cached))
+            tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+            gguf_cache.store(source.path, "tokenizer", tokenizer.save_pretrained)
+            return tokenizer
         return AutoTokenizer.from_pretrained(str(source.path))
     except Exception:
         if source.is_gguf:

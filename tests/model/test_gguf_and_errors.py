@@ -180,3 +180,40 @@ def test_default_model_without_package(monkeypatch):
 def test_bad_dtype():
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model(None, dtype="int3")
+
+
+def test_gguf_load_cache_reuses_converted_weights(tmp_path, tiny_llama, monkeypatch):
+    """A second load reads the cached folder (no GGUF parsing) and gives identical weights."""
+    import pagoda.model.gguf_file as gguf_file
+
+    _, hf = tiny_llama
+    hf.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    path = tmp_path / "tiny-Q8_0.gguf"
+    write_tiny_gguf(hf, path, "Q8_0")
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    first = load_model(str(path), dtype="float32").model
+    assert list((tmp_path / "cache" / "gguf").glob("*/weights-float32/complete"))
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(gguf_file, "open_gguf", no_parsing)
+    second = load_model(str(path), dtype="float32").model
+    for (name, p), (_, q) in zip(first.named_parameters(), second.named_parameters()):
+        assert torch.equal(p, q), name
+    # A changed file is a different entry: it is parsed again.
+    path.touch()
+    with pytest.raises(AssertionError, match="parsed again"):
+        load_model(str(path), dtype="float32")
+
+
+def test_gguf_cache_can_be_turned_off(tmp_path, tiny_llama, monkeypatch):
+    _, hf = tiny_llama
+    path = tmp_path / "tiny-F32.gguf"
+    write_tiny_gguf(hf, path, "F32")
+    monkeypatch.setenv("PAGODA_CACHE_DIR", "")
+    load_model(str(path), dtype="float32")
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    from pagoda.model import gguf_cache
+
+    assert gguf_cache.lookup(path, "weights-float32") is None
