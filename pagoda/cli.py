@@ -60,18 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    try:
-        from pagoda.serve.cli import add_serve_parser
-    except ImportError:
-        add_serve_parser = None
-    if add_serve_parser is not None:
-        add_serve_parser(sub)
-    try:
-        from pagoda.bench.cli import add_bench_parser
-    except ImportError:
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
+    from pagoda.bench.cli import add_bench_parser
+    from pagoda.serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
 
     ns = parser.parse_args(argv)
     from pagoda.model.errors import ModelLoadError
