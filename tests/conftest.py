@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Tests never write the user's GGUF load cache (~/.cache/pagoda); the cache's own tests point it at a
+# temporary folder. Set before any server subprocess starts, so they inherit it.
+os.environ["PAGODA_CACHE_DIR"] = ""
 
 SMOLLM2_PROMPTS = [
     "The capital of France is",

@@ -3,7 +3,7 @@
 Parsing a GGUF's metadata with gguf-py (tens of thousands of tokenizer entries) and converting its
 tokenizer take several seconds each; both are done once per file and dtype, then later starts read
 a Hugging Face folder (config.json, model.safetensors by mmap, tokenizer.json). Entries are keyed by
-the file's path, size and modification time, written to a temporary folder and renamed into place,
+the file's content (a sampled fingerprint), written to a temporary folder and renamed into place,
 so a half-written entry is never read. Set PAGODA_CACHE_DIR to move the cache, or to an empty
 string to turn it off.
 """
@@ -33,11 +33,25 @@ def entry_dir(gguf_path: Path, kind: str) -> Path | None:
     root = cache_root()
     if root is None:
         return None
-    st = gguf_path.stat()
-    if st.st_size > MAX_CACHED_GGUF_BYTES and kind != "tokenizer":
+    size = gguf_path.stat().st_size
+    if size > MAX_CACHED_GGUF_BYTES and kind != "tokenizer":
         return None
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return root / "gguf" / f"{gguf_path.stem}-{key}" / kind
+    return root / "gguf" / f"{gguf_path.stem}-{fingerprint(gguf_path, size)}" / kind
+
+
+def fingerprint(path: Path, size: int) -> str:
+    """A content key: the size and 17 slices spread over the file (the header among them).
+
+    Keyed by content, not by path or mtime, so every installed copy of the same file (each venv, each
+    fresh clone) shares one entry, and a rewritten file gets a new one. Reads ~1 MiB whatever the size.
+    """
+    digest = hashlib.sha256(str(size).encode())
+    chunk = 64 * 1024
+    with open(path, "rb") as f:
+        for i in range(17):
+            f.seek(max(0, (size - chunk) * i // 16))
+            digest.update(f.read(chunk))
+    return digest.hexdigest()[:16]
 
 
 def lookup(gguf_path: Path, kind: str) -> Path | None:

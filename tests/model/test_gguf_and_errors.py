@@ -201,8 +201,8 @@ def test_gguf_load_cache_reuses_converted_weights(tmp_path, tiny_llama, monkeypa
     second = load_model(str(path), dtype="float32").model
     for (name, p), (_, q) in zip(first.named_parameters(), second.named_parameters()):
         assert torch.equal(p, q), name
-    # A changed file is a different entry: it is parsed again.
-    path.touch()
+    # A rewritten file is a different entry: it is parsed again.
+    write_tiny_gguf(hf, path, "Q4_0")
     with pytest.raises(AssertionError, match="parsed again"):
         load_model(str(path), dtype="float32")
 
