@@ -48,3 +48,16 @@ def save_tiny_model(arch: str, folder: Path, seed: int = 0, shard: bool = False)
     kwargs = {"max_shard_size": "100KB"} if shard else {}
     model.save_pretrained(folder, **kwargs)
     return model.eval()
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
+    """A word-level tokenizer over words w0..w{vocab-1} (w0 = <unk>, w1 = <s>, w2 = </s>), so a tiny model
+    served over HTTP streams non-empty text for every token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2")
+    fast.save_pretrained(folder)

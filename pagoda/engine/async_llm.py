@@ -123,6 +123,7 @@ class AsyncLLM:
         chat_template: str | None = None,
         request_timeout: float | None = None,
         log_level: str = "info",
+        log_setup: Callable[[], None] | None = None,
     ) -> None:
         from pagoda.model.loader import resolve_model
 
@@ -132,7 +133,7 @@ class AsyncLLM:
         self._tokenizer_arg = tokenizer
         self.chat_template = chat_template
         self.request_timeout = request_timeout
-        self.client = CoreClient(args, log_level)
+        self.client = CoreClient(args, log_level, log_setup)
         self.tokenizer: Any = None
         self.processor: OutputProcessor | None = None
         self.info: EngineCoreReady | None = None
@@ -141,6 +142,8 @@ class AsyncLLM:
         self.dead_reason: str | None = None
         self.latest_stats: EngineCoreStats | None = None
         self.output_listeners: list[OutputListener] = []
+        # Called with a request id when a request ends without finishing (disconnect, timeout, abort).
+        self.abort_listeners: list[Callable[[str], None]] = []
         self._dead_callbacks: list[Callable[[str], None]] = []
         self._requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -415,6 +418,15 @@ class AsyncLLM:
         )
 
     # -- requests ----------------------------------------------------------------------------------
+    def num_inflight_requests(self) -> int:
+        """Requests whose stream is still open (sent to the core, or finished but not yet consumed)."""
+        return len(self._requests)
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (their streams end with RequestAbortedError)."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+
     def num_unfinished_sequences(self) -> int:
         """Sequences (n > 1 counts n) sent to the core and not yet finished."""
         return len(self._child_to_parent)
@@ -492,6 +504,15 @@ class AsyncLLM:
             self._child_to_parent.pop(cid, None)
         if abort and core_ids:
             self._send(EngineCoreRequestType.ABORT, encode(core_ids))
+        if abort:
+            self._notify_abort(request_id)
+
+    def _notify_abort(self, request_id: str) -> None:
+        for listener in self.abort_listeners:
+            try:
+                listener(request_id)
+            except Exception:
+                logger.exception("abort listener failed")
 
     def abort(self, request_id: str) -> None:
         """Abort a request from outside its consumer; its generator then ends with an error."""

@@ -15,6 +15,7 @@ import torch
 
 from pagoda.config import EngineArgs
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
 from pagoda.kv.manager import KVCacheManager
@@ -82,10 +83,16 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len,
             device=self.device,
+            enforce_eager=args.enforce_eager,
         )
         # Requests waiting for another request's prompt to be computed (n > 1 siblings).
         self._deferred: dict[str, list[Request]] = {}
         self.num_steps = 0
+        self.timelines = TimelineStore()
+        # Tokens scheduled per step, for the tokens-per-iteration histogram; the core process drains
+        # it with every message (offline, nothing reads it, so it stays off).
+        self.record_iteration_tokens = False
+        self.iteration_tokens: list[int] = []
 
     def _make_kv_cache(self) -> PagedKVCache:
         args, cfg = self.args, self.loaded.config
@@ -100,8 +107,10 @@ class EngineCore:
             budget = args.kv_cache_memory
             if budget is None:
                 if self.device.type == "cuda":
-                    free, total = torch.cuda.mem_get_info(self.device)
-                    budget = int(free - (1 - args.gpu_memory_utilization) * total)
+                    from pagoda.exec.kv_sizing import profile_kv_budget  # a profiling forward at the token budget
+
+                    budget = profile_kv_budget(self.loaded.model, args, self.max_model_len, cfg.num_hidden_layers,
+                                               num_kv_heads, head_dim, self.loaded.dtype, self.device)
                 else:
                     budget = _DEFAULT_CPU_KV_BYTES
             num_blocks = budget // per_block
@@ -124,6 +133,7 @@ class EngineCore:
             priority=req.priority,
             extra_keys=extra,
         )
+        request.timeline = self.timelines.start(request.request_id, time.time())
         leader = req.share_prompt_with
         if leader is not None and self.kv_manager.enable_prefix_caching and leader in self.scheduler.requests:
             lead = self.scheduler.requests[leader]
@@ -136,13 +146,26 @@ class EngineCore:
         ids = set(request_ids)
         for leader, followers in list(self._deferred.items()):
             self._deferred[leader] = [r for r in followers if r.request_id not in ids]
+        counts = self._output_counts(request_ids)
         self.scheduler.abort_requests(request_ids)
         self.runner.release(request_ids)
+        self._end_timelines(counts, "abort")
 
     def finish_requests(self, request_ids: list[str]) -> None:
         """End requests that the front end stopped (a stop string matched)."""
+        counts = self._output_counts(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
         self.runner.release(request_ids)
+        self._end_timelines(counts, "stop")
+
+    def _output_counts(self, request_ids: list[str]) -> dict[str, int]:
+        reqs = self.scheduler.requests
+        return {rid: reqs[rid].num_output_tokens if rid in reqs else 0 for rid in request_ids}
+
+    def _end_timelines(self, output_counts: dict[str, int], reason: str) -> None:
+        now = time.time()
+        for rid, n_out in output_counts.items():
+            self.timelines.end(rid, now, reason, n_out)
 
     def has_request(self, request_id: str) -> bool:
         """True while the request is unfinished (scheduled, waiting, or deferred behind a sibling)."""
@@ -164,13 +187,18 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self._deferred:
             self._release_deferred()
+        started = time.time()
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
+        self._record_schedule(so, started)
         result = self.runner.execute(so)
         before = {s.request_id: len(s.request.output_token_ids) for s in so.scheduled}
         changed = self.scheduler.update(so, result.sampled_token_ids)
         self.num_steps += 1
+        if self.record_iteration_tokens:
+            self.iteration_tokens.append(so.total_num_scheduled_tokens)
+        now = time.time()
         ended = [r.request_id for r in changed if r.finish_reason is not None]
         if ended:
             self.runner.release(ended)
@@ -178,19 +206,48 @@ class EngineCore:
         for request in changed:
             rid = request.request_id
             # Stop handling may cut tokens of a multi-token step: report what was appended.
-            new_ids = request.output_token_ids[before[rid]:]
+            n_before = before[rid]
+            new_ids = request.output_token_ids[n_before:]
+            n_out = n_before + len(new_ids)
+            tl = request.timeline
+            tl.token(now, n_out, len(new_ids))
             lp = result.logprobs.get(rid)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=rid,
-                    new_token_ids=list(new_ids),
-                    new_logprobs=[lp] if lp is not None and new_ids else None,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                )
+            out = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=list(new_ids),
+                new_logprobs=[lp] if lp is not None and new_ids else None,
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
             )
+            if n_before == 0:  # the first output: when the request was queued and first scheduled
+                out.queued_time = request.arrival_time
+                out.scheduled_time = tl.first_scheduled or 0.0
+            if request.finish_reason is not None:
+                self.timelines.end(rid, now, request.finish_reason, n_out)
+            outputs.append(out)
         return outputs
+
+    def _record_schedule(self, so, now: float) -> None:
+        """Timeline entries of one step: admissions, prefill chunks (not decodes) and preemptions."""
+        for s in so.scheduled:
+            if s.is_new:
+                request = s.request
+                request.timeline.admitted(now, s.num_computed_tokens, request.num_preemptions > 0)
+            if s.is_new or s.num_new_tokens != 1 or s.num_computed_tokens + 1 < s.num_tokens:
+                s.request.timeline.prefill_chunk(now, s.num_computed_tokens, s.num_new_tokens)
+        if so.preempted_request_ids:
+            for rid in so.preempted_request_ids:
+                request = self.scheduler.requests[rid]
+                request.timeline.preempted(now, request.num_output_tokens)
+
+    def timeline(self, request_id: str) -> list[dict]:
+        """Timelines of a live or recently finished request (several for n > 1); [] when unknown."""
+        return self.timelines.lookup(request_id)
+
+    def pop_iteration_tokens(self) -> list[int]:
+        tokens, self.iteration_tokens = self.iteration_tokens, []
+        return tokens
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()

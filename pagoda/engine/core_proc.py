@@ -77,6 +77,7 @@ class EngineCoreProc:
             "ping": lambda: "pong",
             # False while requests hold blocks (the KV manager refuses then).
             "reset_prefix_cache": lambda: bool(self.core.kv_manager.reset_prefix_cache()),
+            "timeline": lambda request_id: self.core.timeline(request_id),
         }
 
     # -- setup ---------------------------------------------------------------------------------
@@ -85,6 +86,7 @@ class EngineCoreProc:
 
         self.core = EngineCore(self.args)
         core = self.core
+        core.record_iteration_tokens = True
         dtype = str(core.loaded.dtype).removeprefix("torch.")
         self._send(
             EngineCoreOutputs(
@@ -136,7 +138,7 @@ class EngineCoreProc:
             try:
                 core.add_request(req)
             except Exception as exc:  # the front end validates; this is a last line of defence
-                logger.warning("core refused request %s: %s", req.request_id, exc)
+                logger.warning("core refused request %s: %s", req.request_id, exc, extra={"request_id": req.request_id})
                 self._send(EngineCoreOutputs(rejected={req.request_id: str(exc)}, timestamp=time.time()))
         elif kind == EngineCoreRequestType.ABORT:
             ids = self._decode_ids.decode(payload)
@@ -193,7 +195,11 @@ class EngineCoreProc:
             if outputs:
                 stats = self.stats()
                 self._last_sent_stats = stats
-                self._send(EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=time.time()))
+                self._send(
+                    EngineCoreOutputs(
+                        outputs=outputs, stats=stats, timestamp=time.time(), iteration_tokens=core.pop_iteration_tokens()
+                    )
+                )
             elif core.num_steps == steps_before:
                 # Nothing could be scheduled (e.g. only requests waiting on a sibling's prompt):
                 # don't spin hot; any input wakes us at once.
@@ -203,9 +209,11 @@ class EngineCoreProc:
 
     def _send_stats_if_changed(self) -> None:
         stats = self.stats()
-        if stats != self._last_sent_stats:
+        if stats != self._last_sent_stats or self.core.iteration_tokens:
             self._last_sent_stats = stats
-            self._send(EngineCoreOutputs(stats=stats, timestamp=time.time()))
+            self._send(
+                EngineCoreOutputs(stats=stats, timestamp=time.time(), iteration_tokens=self.core.pop_iteration_tokens())
+            )
 
     def close(self) -> None:
         self.input.close(linger=0)
@@ -213,18 +221,24 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int, log_level: str) -> None:
-    """Entry point of the core process."""
+def run_engine_core(
+    args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int, log_level: str,
+    log_setup: Callable[[], None] | None = None,
+) -> None:
+    """Entry point of the core process. `log_setup` (picklable) configures logging; else a plain format."""
     # The API process alone decides when the core stops (SHUTDOWN message, else SIGKILL), and the
     # core exits by itself if the API process dies. Ctrl-C in a terminal, or SIGTERM sent to the
     # whole process group (systemd, `kill -- -PGID`), reaches the core too: obeying it would look
     # like a crash to the API process in the middle of its graceful shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s",
-    )
+    if log_setup is not None:
+        log_setup()
+    else:
+        logging.basicConfig(
+            level=getattr(logging, log_level.upper(), logging.INFO),
+            format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s",
+        )
     proc = EngineCoreProc(args, input_addr, output_addr, parent_pid)
     code = 0
     try:
@@ -260,9 +274,10 @@ class CoreClient:
     hanging the event loop.
     """
 
-    def __init__(self, args: EngineArgs, log_level: str = "info") -> None:
+    def __init__(self, args: EngineArgs, log_level: str = "info", log_setup: Callable[[], None] | None = None) -> None:
         self.args = args
         self.log_level = log_level
+        self.log_setup = log_setup
         self._tmpdir = tempfile.mkdtemp(prefix="pagoda-core-")
         self.input_addr = f"ipc://{self._tmpdir}/input.sock"
         self.output_addr = f"ipc://{self._tmpdir}/output.sock"
@@ -289,7 +304,7 @@ class CoreClient:
         ctx = multiprocessing.get_context("spawn")
         self.proc = ctx.Process(
             target=run_engine_core,
-            args=(self.args, self.input_addr, self.output_addr, os.getpid(), self.log_level),
+            args=(self.args, self.input_addr, self.output_addr, os.getpid(), self.log_level, self.log_setup),
             name="pagoda-engine-core",
             daemon=True,
         )

@@ -27,6 +27,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Set on a request's first output only (core clock, seconds since the epoch): for queue and
+    # prefill time metrics.
+    queued_time: float = 0.0
+    scheduled_time: float = 0.0
 
 
 # -- between the API process and the engine-core process (pagoda.engine.core_proc) -------------------
@@ -99,6 +103,7 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     rejected: dict[str, str] = {}  # core request id -> why the core refused it
     failed: str | None = None  # the core hit a fatal error and is exiting
     timestamp: float = 0.0
+    iteration_tokens: list[int] = []  # tokens scheduled in each step since the previous message
 
 
 _encoder = msgspec.msgpack.Encoder()

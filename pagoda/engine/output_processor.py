@@ -43,6 +43,8 @@ class _Group:
     arrival_time: float
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    queued_time: float | None = None  # core clock: entered the core's queue
+    scheduled_time: float | None = None  # core clock: first admitted (the earliest of its sequences)
 
     @property
     def finished(self) -> bool:
@@ -110,6 +112,9 @@ class OutputProcessor:
             group, seq = entry
             if group.first_token_time is None and out.new_token_ids:
                 group.first_token_time = now
+            if out.scheduled_time and (group.scheduled_time is None or out.scheduled_time < group.scheduled_time):
+                group.scheduled_time = out.scheduled_time
+                group.queued_time = out.queued_time
             group.num_cached_tokens = max(group.num_cached_tokens, out.num_cached_tokens)
             seq.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and seq.logprobs is not None:
@@ -177,7 +182,13 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
-        metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time}
+        metrics = {
+            "arrival_time": group.arrival_time,
+            "first_token_time": group.first_token_time,
+            "queued_time": group.queued_time,
+            "scheduled_time": group.scheduled_time,
+            "max_tokens": group.params.max_tokens,
+        }
         return RequestOutput(
             group.request_id,
             group.prompt,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from pagoda.kv.hashing import BlockHash, BlockHasher, hash_block_tokens
 from pagoda.sampling_params import SamplingParams
@@ -67,6 +68,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
+        self.timeline: Any = None  # the engine core's record of this request (pagoda.engine.timeline)
 
         # (eos or None, stop token ids, min_tokens, max output tokens): what update() checks per
         # token, precomputed; the scheduler folds max_model_len into the last field at admission.

@@ -5,11 +5,11 @@ OpenAI generation endpoints are in `pagoda.serve.openai_api`.
 Extending (the ops layer does this): `build_app()` returns a plain FastAPI app whose `app.state.server`
 is the `ServerState`; add routers with `app.include_router`, public paths to
 `ServerConfig.public_paths`, engine-output listeners to `state.engine.output_listeners`, and
-lifecycle hooks to `state.on_ready` / `state.on_dead`.
+lifecycle hooks to `state.on_ready` / `state.on_dead` / `state.on_shutdown`.
 
 Lifecycle: the app starts serving at once with status "starting" (/health and every engine-backed
-route answer 503) while the engine core loads; then "ready". "draining" (set by whoever implements
-a graceful stop) refuses new work with 503 but keeps /health at 200. If the engine core dies, status
+route answer 503) while the engine core loads; then "ready". "draining" (after SIGTERM, see
+`graceful_stop`) refuses new work with 503 but keeps /health at 200 while in-flight requests finish. If the engine core dies, status
 turns "dead": in-flight requests fail at once, /health answers 503, and after a short grace period
 (so health checkers can see it) the server is asked to exit with code 1.
 """
@@ -65,7 +65,9 @@ class ServerState:
         self.exit_callback: Callable[[int], None] | None = None
         self.on_ready: list[Callable[[], None]] = []
         self.on_dead: list[Callable[[str], None]] = []
+        self.on_shutdown: list[Callable[[], None]] = []
         self._start_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start_engine(self) -> None:
@@ -105,6 +107,32 @@ class ServerState:
         """Refuse new work (503) from now on; in-flight requests go on."""
         if self.status in ("starting", "ready"):
             self.status = "draining"
+
+    def graceful_stop(self, timeout: float) -> None:
+        """SIGTERM: refuse new requests (503), let in-flight ones finish for up to `timeout`
+        seconds (then abort them), and exit with code 0. Runs on the event loop."""
+        if self._drain_task is not None:
+            return
+        self.begin_drain()
+        logger.info(
+            "draining: %d request(s) in flight, waiting up to %.0f s before exiting",
+            self.engine.num_inflight_requests(), timeout,
+        )
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain(timeout), name="pagoda-drain")
+
+    async def _drain(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        engine = self.engine
+        while engine.num_inflight_requests() and not engine.is_dead and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = engine.num_inflight_requests()
+        if left and not engine.is_dead:
+            logger.warning("drain timeout: aborting %d request(s) still in flight", left)
+            engine.abort_all()
+        else:
+            logger.info("drained; exiting")
+        self.request_exit(0)
 
     # -- per-request checks ----------------------------------------------------------------------
     def check_accepting(self) -> None:
@@ -314,6 +342,11 @@ def build_app(state: ServerState) -> FastAPI:
                     await state._start_task
                 except BaseException:
                     pass
+            for cb in state.on_shutdown:
+                try:
+                    cb()
+                except Exception:
+                    logger.exception("on_shutdown hook failed")
             await state.engine.shutdown()
 
     app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)

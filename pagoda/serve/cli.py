@@ -42,6 +42,18 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds after which a request is aborted (504); default: none")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one JSON object per line (both processes, uvicorn included)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log one INFO line per finished request (with its id); else at DEBUG")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between engine status lines while busy (0: none)")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic engine status lines")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="export a trace per request (queue, prefill, decode spans) to this OTLP/HTTP URL, "
+                        "e.g. http://localhost:4318/v1/traces")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before exiting (0: stop at once)")
     p.add_argument("--root-path", default="", help="ASGI root path when behind a path-based proxy")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -52,14 +64,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from pagoda.cli import engine_kwargs
     from pagoda.config import EngineArgs
     from pagoda.model.loader import DEFAULT_MODEL, resolve_model
-    from pagoda.serve.app import ServerConfig
+    from pagoda.ops.logs import LogSetup, configure_logging
+    from pagoda.ops.server_ops import OpsConfig, install_ops
+    from pagoda.serve.app import ServerConfig, build_app
     from pagoda.serve.server import make_state, run_server
     from pagoda.serve.tenants import build_registry
 
-    logging.basicConfig(
-        level=getattr(logging, ns.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(ns.log_level, ns.log_format, "api")
     model = ns.model_flag or ns.model
     if ns.model_flag and ns.model and ns.model_flag != ns.model:
         raise ValueError(f"two different models given: {ns.model!r} and --model {ns.model_flag!r}")
@@ -68,6 +79,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--max-waiting-requests must be >= 0")
     if ns.request_timeout is not None and ns.request_timeout <= 0:
         raise ValueError("--request-timeout must be > 0")
+    if ns.drain_timeout < 0 or ns.log_stats_interval < 0:
+        raise ValueError("--drain-timeout and --log-stats-interval must be >= 0")
     names = ns.served_model_name or [model or DEFAULT_MODEL]
     try:
         tenants = build_registry(ns.api_key or _env_keys(), ns.api_keys_file)
@@ -80,12 +93,24 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         max_waiting_requests=ns.max_waiting_requests,
         request_timeout=ns.request_timeout,
     )
-    state = make_state(engine_args, config, tenants, chat_template=chat_template, log_level=ns.log_level)
+    state = make_state(
+        engine_args, config, tenants, chat_template=chat_template, log_level=ns.log_level,
+        log_setup=LogSetup(ns.log_level, ns.log_format, "engine-core"),
+    )
+    app = build_app(state)
+    install_ops(app, state, OpsConfig(
+        log_requests=ns.enable_log_requests,
+        log_stats_interval=0.0 if ns.disable_log_stats else ns.log_stats_interval,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
+    ))
     logging.getLogger("pagoda.serve").info(
         "serving %s (%s) on http://%s:%d%s", names[0], source.path, ns.host, ns.port,
         f" with {len(tenants)} API key(s)" if tenants.enabled else "",
     )
-    return run_server(state, ns.host, ns.port, log_level=ns.log_level, root_path=ns.root_path)
+    return run_server(
+        state, ns.host, ns.port, log_level=ns.log_level, app=app, drain_timeout=ns.drain_timeout,
+        own_logging=True, root_path=ns.root_path,
+    )
 
 
 def _env_keys() -> list[str] | None:

@@ -15,6 +15,7 @@ which aborts their requests in the core at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable
@@ -37,8 +38,10 @@ from pagoda.serve.app import ServerState, get_state, get_tenant
 from pagoda.serve.errors import APIError, bad_request, rate_limited, unavailable
 from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, sse, usage
 from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.serve.request_context import request_id_var
 from pagoda.serve.tenants import Tenant
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -64,6 +67,7 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestTimeoutError):
+        logger.warning("timed out: %s", exc)
         return APIError(504, str(exc), code="request_timeout")
     if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
         return unavailable(f"the engine is not running: {exc}")
@@ -71,6 +75,7 @@ def engine_error(exc: BaseException) -> APIError:
         return bad_request(str(exc))
     if isinstance(exc, RequestAbortedError):
         return APIError(503, str(exc), code="aborted")
+    logger.error("internal error: %s: %s", type(exc).__name__, exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
@@ -124,6 +129,12 @@ def _admit(state: ServerState, prep: _Prepared) -> None:
 
 
 async def _start(state: ServerState, prep: _Prepared, request_id: str) -> list[RequestStream]:
+    # From here on, log lines written while serving this request carry its id.
+    request_id_var.set(request_id)
+    logger.debug(
+        "received: %d prompt(s), %d prompt tokens, max_tokens=%s, tenant=%s, priority=%d",
+        len(prep.prompts), prep.num_prompt_tokens, prep.params.max_tokens, prep.tenant.name, prep.priority,
+    )
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prep.prompts):

@@ -1,7 +1,10 @@
 """Runs the app under uvicorn and turns the server's fate into the process's exit code:
 0 after a normal stop (SIGINT/SIGTERM), 1 when the engine core died or failed to start (so a
 supervisor restarts it). A watchdog makes sure a dead-engine exit happens even if a connection
-refuses to close."""
+refuses to close.
+
+SIGTERM drains (`ServerState.graceful_stop`): new requests get 503, in-flight ones finish (up to
+the drain timeout), then the process exits 0. SIGINT, or a second SIGTERM, stops at once."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+from typing import Any, Callable
 
 import uvicorn
 
@@ -33,16 +37,54 @@ def make_state(
     tenants: TenantRegistry | None = None,
     chat_template: str | None = None,
     log_level: str = "info",
+    log_setup: Callable[[], None] | None = None,
 ) -> ServerState:
     engine = AsyncLLM(
-        engine_args, chat_template=chat_template, request_timeout=config.request_timeout, log_level=log_level
+        engine_args, chat_template=chat_template, request_timeout=config.request_timeout, log_level=log_level,
+        log_setup=log_setup,
     )
     return ServerState(config, engine, tenants)
 
 
-def run_server(state: ServerState, host: str, port: int, log_level: str = "info", **uvicorn_kwargs) -> int:
-    """Serve until stopped; returns the process exit code."""
-    app = build_app(state)
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM starts a drain instead of stopping at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and not self._draining and self.drain_timeout > 0 and self._loop is not None:
+            # In a signal handler: hand the work to the event loop.
+            self._draining = True
+            self._loop.call_soon_threadsafe(self.state.graceful_stop, self.drain_timeout)
+            return
+        super().handle_exit(sig, frame)
+
+
+def run_server(
+    state: ServerState,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    app: Any = None,
+    drain_timeout: float = 30.0,
+    own_logging: bool = False,
+    **uvicorn_kwargs,
+) -> int:
+    """Serve until stopped; returns the process exit code. `own_logging`: logging is configured
+    already (pagoda.ops.logs), so uvicorn must not install its own handlers."""
+    if app is None:
+        app = build_app(state)
+    if own_logging:
+        uvicorn_kwargs.setdefault("log_config", None)
     config = uvicorn.Config(
         app,
         host=host,
@@ -53,7 +95,7 @@ def run_server(state: ServerState, host: str, port: int, log_level: str = "info"
         timeout_keep_alive=5,
         **uvicorn_kwargs,
     )
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config, state, drain_timeout)
 
     def request_exit(code: int) -> None:
         server.should_exit = True

@@ -1,0 +1,237 @@
+"""The ops layer in a real `pagoda serve` process on a tiny random model: /metrics counts, gauges
+back to zero, prefix-cache and preemption counters, request timelines, JSON logs with request ids,
+/ready and /load, and the graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.ops.test_ops_units import EXPECTED_NAMES
+from tests.serve.serve_helpers import ServerProcess, wait_for
+from tests.tiny_models import save_tiny_model, save_tiny_tokenizer
+
+HIST_PER_REQUEST = (
+    "pagoda:time_to_first_token_seconds", "pagoda:e2e_request_latency_seconds", "pagoda:request_queue_time_seconds",
+    "pagoda:request_prefill_time_seconds", "pagoda:request_decode_time_seconds", "pagoda:request_prompt_tokens",
+    "pagoda:request_generation_tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_ops_server")
+    save_tiny_model("llama3", folder)
+    save_tiny_tokenizer(folder)  # streams then carry text for every token
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder):
+    # 23 usable blocks of 16 tokens: three requests growing to ~10 blocks each must preempt.
+    srv = ServerProcess([
+        str(tiny_folder), "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "24",
+        "--log-format", "json", "--enable-log-requests", "--log-stats-interval", "0.2", "--log-level", "debug",
+    ]).start()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def scrape(srv) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{srv.url}/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "le")))
+            if "le" in s.labels:
+                continue
+            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+    return out
+
+
+def idle(srv) -> dict:
+    """Metrics once the engine reports nothing running or waiting and an empty KV cache."""
+
+    def check():
+        m = scrape(srv)
+        done = (m[("pagoda:num_requests_running", ())] == 0 and m[("pagoda:num_requests_waiting", ())] == 0
+                and m[("pagoda:kv_cache_usage_perc", ())] == 0)
+        return m if done else None
+
+    return wait_for(check, 30, what="running, waiting and KV usage back to 0")
+
+
+def complete(srv, prompt: list[int], max_tokens: int) -> dict:
+    r = httpx.post(f"{srv.base_url}/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_metrics_body_parses_and_has_every_name(server):
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    names = {f.name for f in text_string_to_metric_families(r.text)}
+    assert set(EXPECTED_NAMES) <= names
+    assert 'model_name="' in r.text
+
+
+def test_counters_and_histograms_count_n_requests_exactly(server):
+    before = idle(server)
+    n, max_tokens = 6, 5
+    prompts = [[7 + i] * (10 + i) for i in range(n)]
+    results = []
+    threads = [threading.Thread(target=lambda p=p: results.append(complete(server, p, max_tokens))) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == n
+    after = idle(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    for hist in HIST_PER_REQUEST:
+        assert delta(hist + "_count") == n, hist
+    assert delta("pagoda:request_success_total", finished_reason="length") == n
+    assert delta("pagoda:prompt_tokens_total") == sum(len(p) for p in prompts)
+    assert delta("pagoda:generation_tokens_total") == n * max_tokens
+    assert delta("pagoda:request_generation_tokens_sum") == n * max_tokens
+    assert delta("pagoda:inter_token_latency_seconds_count") == n * (max_tokens - 1)
+    # Every prompt token and every decode step is scheduled in some iteration.
+    assert delta("pagoda:iteration_tokens_total_sum") == sum(len(p) for p in prompts) + n * (max_tokens - 1)
+
+
+def test_gauges_return_to_zero_after_a_cancelled_stream(server):
+    before = idle(server)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{server.base_url}/completions",
+                           json={"prompt": [3] * 20, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # one token arrived: the request is running; now hang up
+    after = idle(server)
+    key = ("pagoda:request_success_total", (("finished_reason", "abort"),))
+    assert after[key] - before.get(key, 0) == 1
+
+
+def test_prefix_cache_hit_counter_rises_for_a_repeated_prompt(server):
+    prompt = list(range(100, 148))  # 3 full blocks
+    complete(server, prompt, 2)
+    before = idle(server)
+    complete(server, prompt, 2)
+    after = idle(server)
+    hits = after[("pagoda:prefix_cache_hits_total", ())] - before[("pagoda:prefix_cache_hits_total", ())]
+    queries = after[("pagoda:prefix_cache_queries_total", ())] - before[("pagoda:prefix_cache_queries_total", ())]
+    assert queries == 48 and hits == 32  # the last block is always recomputed (a prompt is never a full hit)
+
+
+def test_forced_preemption_counts_and_shows_in_the_timeline(server):
+    before = idle(server)
+    ids = []
+    # Each grows to 40 + 120 = 160 tokens (10 blocks); together 30 blocks > 23 usable.
+    prompts = [[11 + i] * 40 for i in range(3)]
+    threads = [threading.Thread(target=lambda p=p: ids.append(complete(server, p, 120)["id"])) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = idle(server)
+    assert after[("pagoda:num_preemptions_total", ())] - before[("pagoda:num_preemptions_total", ())] >= 1
+    timelines = {}
+    for rid in ids:
+        r = httpx.get(f"{server.base_url}/requests/{rid}/timeline")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["request_id"] == rid and len(body["sequences"]) == 1
+        timelines[rid] = body["sequences"][0]
+    preempted = [t for t in timelines.values() if t["num_preemptions"]]
+    assert preempted
+    events = [e["event"] for e in preempted[0]["events"]]
+    i = events.index("preempted")
+    assert "admitted" in events[:i] and "admitted" in events[i:]
+    assert events[-1] == "finished" and preempted[0]["events"][-1]["output_tokens"] == 120
+    missing = httpx.get(f"{server.base_url}/requests/cmpl-unknown/timeline")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+
+
+def test_ready_load_and_health(server):
+    assert httpx.get(f"{server.url}/ready").json() == {"status": "ready"}
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    load = httpx.get(f"{server.url}/load").json()
+    assert load["server_load"] == 0 and load["status"] == "ready"
+    assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"} <= set(load)
+
+
+def test_json_log_lines_carry_request_ids(server):
+    rid = complete(server, [5] * 12, 3)["id"]
+    idle(server)
+
+    def finished_logged():
+        lines = [json.loads(line) for line in server.log_tail(10**7).splitlines() if line.strip()]
+        return lines if any(o.get("request_id") == rid and "finished" in o["message"] for o in lines) else None
+
+    lines = wait_for(finished_logged, 10, what="the request's finish line")  # every line parsed as JSON
+    about = [o for o in lines if rid in json.dumps(o)]
+    assert len(about) >= 2  # received (DEBUG) and finished (INFO)
+    assert all(o.get("request_id") == rid for o in about)
+    processes = {o["process"] for o in lines}
+    assert processes == {"api", "engine-core"}
+    assert any("prompt throughput" in o["message"] for o in lines)  # the periodic status line
+
+
+def test_sigterm_drains_inflight_streams_then_exits_0(tiny_folder):
+    srv = ServerProcess([str(tiny_folder), "--dtype", "float32", "--max-model-len", "2048",
+                         "--num-gpu-blocks-override", "1200", "--drain-timeout", "120"]).start()
+    try:
+        srv.wait_ready()
+        n, max_tokens = 8, 1500
+        first_chunk = [threading.Event() for _ in range(n)]
+        results: list[tuple[int, int | None, bool]] = [(-1, None, False)] * n
+
+        def stream(i: int) -> None:
+            tokens, done, usage = 0, False, None
+            with httpx.Client(timeout=300) as client:
+                body = {"prompt": [20 + i] * 10, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                with client.stream("POST", f"{srv.base_url}/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            obj = json.loads(line[6:])
+                            if obj.get("usage"):
+                                usage = obj["usage"]["completion_tokens"]
+                            tokens += sum(1 for _ in obj["choices"])
+                            first_chunk[i].set()
+            results[i] = (tokens, usage, done)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for ev in first_chunk:
+            assert ev.wait(120)
+        srv.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 503, 10, what="/ready 503 while draining")
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # alive, finishing its work
+        refused = httpx.post(f"{srv.base_url}/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert refused.status_code == 503, refused.text
+        assert "shutting down" in refused.json()["error"]["message"]
+        for t in threads:
+            t.join(300)
+        assert all(r[2] for r in results), results  # every stream ended with [DONE]
+        assert all(r[1] == max_tokens for r in results), results  # ... having generated everything
+        assert srv.wait_exit(60) == 0, srv.log_tail()
+        assert "drained" in srv.log_tail()
+    finally:
+        srv.stop()

@@ -1,0 +1,225 @@
+"""The ops layer's parts without a server: metrics from request events, the status line, log
+formats, and tracing spans (in memory and over OTLP/HTTP to a local receiver)."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import json
+import logging
+import threading
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagoda.engine.messages import EngineCoreOutputs, EngineCoreStats
+from pagoda.ops.logs import JsonFormatter, RequestIdFilter, TextFormatter
+from pagoda.ops.metrics import ServerMetrics, one_two_five_buckets
+from pagoda.ops.request_events import FinishedRequest, RequestLogger, RequestTracker
+from pagoda.ops.status import StatusLine
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.serve.request_context import request_id_var
+
+EXPECTED_NAMES = [
+    "pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc",
+    "pagoda:prefix_cache_queries", "pagoda:prefix_cache_hits", "pagoda:num_preemptions",
+    "pagoda:prompt_tokens", "pagoda:generation_tokens", "pagoda:request_success",
+    "pagoda:time_to_first_token_seconds", "pagoda:inter_token_latency_seconds",
+    "pagoda:e2e_request_latency_seconds", "pagoda:request_queue_time_seconds",
+    "pagoda:request_prefill_time_seconds", "pagoda:request_decode_time_seconds",
+    "pagoda:request_prompt_tokens", "pagoda:request_generation_tokens", "pagoda:iteration_tokens_total",
+]
+
+
+def _delta(rid, tokens, finished=False, reason=None, prompt_len=5, t0=1000.0):
+    metrics = {"arrival_time": t0, "queued_time": t0 + 0.01, "scheduled_time": t0 + 0.02, "max_tokens": 16}
+    out = CompletionOutput(0, "", list(tokens), finish_reason=reason)
+    return RequestOutput(rid, None, list(range(prompt_len)), [out], finished, metrics=metrics)
+
+
+def families(metrics: ServerMetrics) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+def sample(fams: dict, name: str, suffix: str = "", **labels) -> float:
+    fam = fams[name]
+    total = 0.0
+    for s in fam.samples:
+        if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()):
+            total += s.value
+    return total
+
+
+def test_counts_equal_requests_exactly_and_all_names_present():
+    stats = EngineCoreStats(num_running=2, num_waiting=1, kv_usage=0.5, prefix_cache_queries=100,
+                            prefix_cache_hits=40, num_preemptions=3)
+    m = ServerMetrics("tiny", 512, lambda: stats)
+    tracker = RequestTracker([m])
+    n, gen = 7, [3, 1, 4, 1, 5, 9, 2]
+    for i in range(n):
+        rid = f"r{i}"
+        for k in range(gen[i]):
+            last = k == gen[i] - 1
+            res = _delta(rid, [k], finished=last, reason="length" if i % 2 else "stop", prompt_len=10 + i)
+            tracker.on_output(EngineCoreOutputs(iteration_tokens=[4, 1]), [res])
+    tracker.on_abort("gone")
+    fams = families(m)
+    for name in EXPECTED_NAMES:
+        assert name in fams, name
+    for hist in ("pagoda:time_to_first_token_seconds", "pagoda:e2e_request_latency_seconds",
+                 "pagoda:request_queue_time_seconds", "pagoda:request_prefill_time_seconds",
+                 "pagoda:request_decode_time_seconds", "pagoda:request_prompt_tokens",
+                 "pagoda:request_generation_tokens"):
+        assert sample(fams, hist, "_count", model_name="tiny") == n, hist
+    assert sample(fams, "pagoda:inter_token_latency_seconds", "_count") == sum(gen) - n
+    assert sample(fams, "pagoda:prompt_tokens", "_total") == sum(10 + i for i in range(n))
+    assert sample(fams, "pagoda:generation_tokens", "_total") == sum(gen)
+    assert sample(fams, "pagoda:request_generation_tokens", "_sum") == sum(gen)
+    assert sample(fams, "pagoda:request_success", "_total", finished_reason="stop") == 4
+    assert sample(fams, "pagoda:request_success", "_total", finished_reason="length") == 3
+    assert sample(fams, "pagoda:request_success", "_total", finished_reason="abort") == 1
+    assert sample(fams, "pagoda:iteration_tokens_total", "_count") == 2 * sum(gen)
+    assert sample(fams, "pagoda:num_requests_running") == 2
+    assert sample(fams, "pagoda:kv_cache_usage_perc") == 0.5
+    assert sample(fams, "pagoda:prefix_cache_hits", "_total") == 40
+    assert sample(fams, "pagoda:num_preemptions", "_total") == 3
+    # Queue time comes from the core's times: scheduled - queued.
+    assert sample(fams, "pagoda:request_queue_time_seconds", "_sum") == pytest.approx(n * 0.01)
+    assert not tracker._live  # nothing kept once requests end
+
+
+def test_buckets():
+    assert one_two_five_buckets(512) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+
+
+def test_status_line_quiet_when_idle():
+    stats = EngineCoreStats()
+    m = ServerMetrics("tiny", 512, lambda: stats)
+    line = StatusLine(m, lambda: stats)
+    assert line.tick(now=line._last_time + 10) is None  # nothing happened
+    m.on_first_token(0.1, 200)
+    m.on_tokens(50, None)
+    stats = EngineCoreStats(num_running=3, num_waiting=2, kv_usage=0.25, prefix_cache_queries=200,
+                            prefix_cache_hits=50)
+    text = line.tick(now=line._last_time + 10)
+    assert text == ("prompt throughput: 20.0 tokens/s, generation throughput: 5.0 tokens/s, running: 3 reqs, "
+                    "waiting: 2 reqs, KV cache usage: 25.0%, prefix cache hit rate: 25.0%")
+    stats = EngineCoreStats(num_running=1, prefix_cache_queries=200, prefix_cache_hits=50)
+    assert "running: 1 reqs" in line.tick(now=line._last_time + 10)  # still running: keeps reporting
+    stats = EngineCoreStats(prefix_cache_queries=200, prefix_cache_hits=50)
+    assert line.tick(now=line._last_time + 10) is None
+
+
+def _logger_to(buf: io.StringIO, formatter: logging.Formatter) -> logging.Logger:
+    lg = logging.getLogger(f"pagoda.test.{id(buf)}")
+    lg.handlers.clear()
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(formatter)
+    handler.addFilter(RequestIdFilter())
+    lg.addHandler(handler)
+    lg.setLevel(logging.DEBUG)
+    lg.propagate = False
+    return lg
+
+
+def test_json_lines_carry_request_ids():
+    buf = io.StringIO()
+    lg = _logger_to(buf, JsonFormatter("api"))
+    lg.info("plain line")
+    lg.info("about a request\nwith a newline", extra={"request_id": "cmpl-1", "tokens": 3})
+    token = request_id_var.set("cmpl-2")
+    try:
+        lg.warning("inside a handler")
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            lg.exception("failed")
+    finally:
+        request_id_var.reset(token)
+    lines = buf.getvalue().splitlines()
+    objs = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert len(objs) == 4
+    assert "request_id" not in objs[0]
+    assert objs[1]["request_id"] == "cmpl-1" and objs[1]["tokens"] == 3
+    assert objs[1]["message"] == "about a request\nwith a newline"
+    assert objs[2]["request_id"] == "cmpl-2" and objs[2]["level"] == "WARNING" and objs[2]["process"] == "api"
+    assert objs[3]["request_id"] == "cmpl-2" and "RuntimeError: boom" in objs[3]["exception"]
+
+
+def test_text_lines_carry_request_ids_and_request_logger():
+    buf = io.StringIO()
+    _logger_to(buf, TextFormatter("api"))
+    req_logger = logging.getLogger("pagoda.requests")
+    old = (req_logger.handlers[:], req_logger.level, req_logger.propagate)
+    req_logger.handlers = _logger_to(buf, TextFormatter("api")).handlers
+    req_logger.setLevel(logging.INFO)
+    req_logger.propagate = False
+    try:
+        r = FinishedRequest("cmpl-9", "length", 1.0, 3.5, 12, 8, 0, 8, 1.0, 1.1, 1.5, 3.4)
+        RequestLogger(enabled=True).on_finished(r)
+        RequestLogger(enabled=False).on_finished(r)  # DEBUG: filtered at INFO
+    finally:
+        req_logger.handlers, req_logger.level, req_logger.propagate = old
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 1
+    assert "[request_id=cmpl-9] finished: reason=length prompt_tokens=12" in lines[0]
+    assert "ttft=0.500s e2e=2.500s" in lines[0]
+
+
+def _finished() -> FinishedRequest:
+    return FinishedRequest("cmpl-t", "stop", 100.0, 104.0, 20, 10, 16, 32, 100.5, 101.0, 102.0, 103.9)
+
+
+def test_tracing_spans_per_phase():
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pagoda.ops.tracing import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    tracer = RequestTracer("tiny", exporter=exporter)
+    tracer.on_finished(_finished())
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"llm_request", "queue", "prefill", "decode"}
+    root = spans["llm_request"]
+    assert root.attributes["gen_ai.request.id"] == "cmpl-t"
+    assert root.attributes["gen_ai.usage.completion_tokens"] == 10
+    assert (root.start_time, root.end_time) == (100 * 10**9, 104 * 10**9)
+    for name, (start, end) in {"queue": (100.5, 101.0), "prefill": (101.0, 102.0), "decode": (102.0, 103.9)}.items():
+        span = spans[name]
+        assert span.parent.span_id == root.context.span_id
+        assert span.context.trace_id == root.context.trace_id
+        assert (span.start_time, span.end_time) == (int(start * 1e9), int(end * 1e9))
+
+
+def test_tracing_exports_over_otlp_http():
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from pagoda.ops.tracing import RequestTracer
+
+    received: list[bytes] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Receiver)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        tracer = RequestTracer("tiny", endpoint=f"http://127.0.0.1:{server.server_port}/v1/traces")
+        tracer.on_finished(_finished())
+        tracer.shutdown()  # flushes the batch
+    finally:
+        server.shutdown()
+    names = []
+    for body in received:
+        req = ExportTraceServiceRequest.FromString(body)
+        names += [s.name for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert sorted(names) == ["decode", "llm_request", "prefill", "queue"]
