@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from pagoda.config import EngineArgs
-from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
@@ -34,17 +33,6 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_blocks: int
 
 
 class EngineCore:
@@ -249,9 +237,11 @@ class EngineCore:
         tokens, self.iteration_tokens = self.iteration_tokens, []
         return tokens
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> EngineCoreStats:
+        """The scheduler's and KV cache's counters (requests deferred behind a sibling count as waiting)."""
         s = self.scheduler.stats()
-        return EngineStats(
+        kv = self.kv_manager
+        return EngineCoreStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting + sum(len(v) for v in self._deferred.values()),
             kv_usage=s.kv_usage,
@@ -259,4 +249,7 @@ class EngineCore:
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             num_blocks=self.kv_cache.num_blocks,
+            num_usable_blocks=kv.num_usable_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_steps=self.num_steps,
         )

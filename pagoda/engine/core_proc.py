@@ -113,22 +113,10 @@ class EngineCoreProc:
         self.output.send(encode(msg), copy=False)
 
     def stats(self) -> EngineCoreStats:
-        core = self.core
-        s = core.stats()
-        return EngineCoreStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_usage=s.kv_usage,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            num_blocks=s.num_blocks,
-            num_usable_blocks=core.kv_manager.num_usable_blocks,
-            num_free_blocks=core.kv_manager.num_free_blocks,
-            num_steps=core.num_steps,
-            num_aborted_requests=self.num_aborted,
-            pid=os.getpid(),
-        )
+        stats = self.core.stats()
+        stats.num_aborted_requests = self.num_aborted
+        stats.pid = os.getpid()
+        return stats
 
     def _handle(self, frames: list[bytes]) -> None:
         kind, payload = frames[0], frames[1] if len(frames) > 1 else b""

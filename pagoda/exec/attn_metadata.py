@@ -26,6 +26,12 @@ class PagedAttentionMetadata:
     seq_lens_cpu: list[int]
     max_seq_len: int
     block_size: int
+    # Longest query chunk of the step (a host int, so GPU kernels size their grid without a sync);
+    # 0: not given, derived from query_start_loc_cpu.
+    max_query_len: int = 0
+    # Rows that write K/V; a CUDA-graph padded batch appends rows with slot -1 after them.
+    # None: every row of slot_mapping is real.
+    num_actual_tokens: int | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -1,21 +1,39 @@
 """The model runner: turns one scheduling step into a flattened batch, runs the model and samples.
 
 Per-request state (its row in a persistent block-table array, its seeded generator) lives here
-between steps, so a decode step only copies the blocks that are new.
+between steps, so a decode step only copies the blocks that are new. On CUDA the attention backend is
+the Triton one and pure-decode steps replay CUDA graphs (`pagoda.exec.cuda_graphs`) unless
+`enforce_eager`; the only host sync of a step is copying the sampled token ids back.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
+from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
 from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
 from pagoda.model.attention import AttentionContext
 from pagoda.sched.output import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def make_attention_backend(kv_cache: PagedKVCache):
+    """Triton kernels on CUDA when triton imports; the PyTorch backend otherwise (and on CPU)."""
+    if kv_cache.tensor.device.type == "cuda":
+        try:
+            from pagoda.exec.triton_attention import TritonPagedAttention
+        except ImportError as exc:
+            logger.warning("triton unavailable (%s): CUDA attention falls back to PyTorch, without CUDA graphs", exc)
+        else:
+            return TritonPagedAttention(kv_cache)
+    return TorchPagedAttention(kv_cache)
 
 
 @dataclass
@@ -63,18 +81,30 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         device: torch.device,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.vocab_size = vocab_size
         self.device = device
-        self.backend = TorchPagedAttention(kv_cache)
+        self.backend = make_attention_backend(kv_cache)
         self.sampler = Sampler()
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         # Rows for running requests plus those finishing in the same step as others are admitted.
         self.block_tables = _BlockTables(2 * max_num_seqs, max_blocks)
         self.generators: dict[str, torch.Generator] = {}
+        self.graphs: CUDAGraphDecoder | None = None
+        # Graphs need launches that read no device value on the host: the Triton backend's.
+        if device.type == "cuda" and not enforce_eager and not isinstance(self.backend, TorchPagedAttention):
+            self.graphs = CUDAGraphDecoder(model, self.backend, max_num_seqs, max_model_len, self.block_size, device)
+            self.graphs.capture()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.from_numpy(array).to(self.device)
+        # From pinned memory the copy is asynchronous; from pageable memory it may wait for the stream.
+        return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
 
     def release(self, request_ids: list[str]) -> None:
         """Drop the state of requests that ended (idempotent)."""
@@ -111,6 +141,7 @@ class ModelRunner:
             positions = starts
             slots = table[rows, starts // bs] * bs + starts % bs
             query_lens = np.ones(len(order), dtype=np.int64)
+            max_query_len = 1
         else:
             tokens = []
             pos_parts, slot_parts = [], []
@@ -123,6 +154,7 @@ class ModelRunner:
             positions = np.concatenate(pos_parts)
             slots = np.concatenate(slot_parts)
             query_lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=len(order))
+            max_query_len = int(query_lens.max())
         seq_lens = np.fromiter(
             (s.num_computed_tokens + s.num_new_tokens for s in order), dtype=np.int64, count=len(order)
         )
@@ -131,19 +163,24 @@ class ModelRunner:
         max_seq = int(seq_lens.max())
         nb = (max_seq + bs - 1) // bs
         dev = self.device
+        to_dev = self._to_device
         meta = PagedAttentionMetadata(
             num_decodes=len(decodes),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(table[rows, :nb]).to(dev),
+            slot_mapping=to_dev(slots),
+            query_start_loc=to_dev(qsl),
+            seq_lens=to_dev(seq_lens),
+            block_tables=to_dev(table[rows, :nb]),
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             max_seq_len=max_seq,
             block_size=bs,
+            max_query_len=max_query_len,
         )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return order, input_ids, torch.from_numpy(positions).to(dev), meta
+        if dev.type == "cuda":
+            input_ids = to_dev(np.asarray(tokens, dtype=np.int64))
+        else:
+            input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        return order, input_ids, to_dev(positions), meta
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -154,12 +191,18 @@ class ModelRunner:
         if not so.scheduled:
             return out
         order, input_ids, positions, meta = self.prepare(so)
-        hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
+        if self.graphs is not None and self.graphs.can_run(meta.num_decodes, meta.num_reqs):
+            hidden = self.graphs.run(input_ids, positions, meta)  # padding rows already dropped
+        else:
+            hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
         sampling = [i for i, s in enumerate(order) if s.samples]
         if not sampling:
             return out  # every request is mid-prompt: nothing to sample
-        last_rows = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[last_rows])
+        if len(sampling) == meta.num_decodes == len(order):
+            logits = self.model.compute_logits(hidden)  # one row per request, all sampled: no gather
+        else:
+            last_rows = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[last_rows])
         reqs = [order[i] for i in sampling]
         sampling_meta = SamplingMetadata.build(
             [s.request.sampling_params for s in reqs],

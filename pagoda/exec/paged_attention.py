@@ -70,9 +70,12 @@ class TorchPagedAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata, scale: float
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.layer(layer_idx)
-        num_tokens = meta.slot_mapping.shape[0]
+        slots = meta.slot_mapping
+        if meta.num_actual_tokens is not None:
+            slots = slots[: meta.num_actual_tokens]  # a padded batch: its slot -1 rows are not written
+        num_tokens = slots.shape[0]
         # Padding rows (beyond the real tokens) write nothing and their outputs are never read.
-        write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], meta.slot_mapping)
+        write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], slots)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
