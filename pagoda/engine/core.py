@@ -121,14 +121,21 @@ class EngineCore:
             priority=req.priority,
             extra_keys=extra,
         )
-        request.timeline = self.timelines.start(request.request_id, time.time())
-        leader = req.share_prompt_with
-        if leader is not None and self.kv_manager.enable_prefix_caching and leader in self.scheduler.requests:
-            lead = self.scheduler.requests[leader]
-            if lead.num_computed_tokens < lead.num_prompt_tokens:
-                self._deferred.setdefault(leader, []).append(request)
-                return
-        self.scheduler.add_request(request)
+        rid = request.request_id
+        if self.has_request(rid):
+            raise ValueError(f"request id {rid!r} is already in use")
+        request.timeline = self.timelines.start(rid, time.time())
+        try:
+            leader = req.share_prompt_with
+            if leader is not None and self.kv_manager.enable_prefix_caching and leader in self.scheduler.requests:
+                lead = self.scheduler.requests[leader]
+                if lead.num_computed_tokens < lead.num_prompt_tokens:
+                    self._deferred.setdefault(leader, []).append(request)
+                    return
+            self.scheduler.add_request(request)
+        except Exception:
+            self.timelines.live.pop(rid, None)  # refused: no timeline to keep
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
         ids = set(request_ids)

@@ -19,7 +19,9 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 # Attributes every LogRecord has; anything else was passed through `extra` and goes into JSON lines.
-_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "process_tag"}
+_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message", "asctime", "process_tag", "color_message",  # uvicorn adds color_message: a copy with ANSI colours
+}
 
 
 class RequestIdFilter(logging.Filter):

@@ -101,3 +101,18 @@ def test_n_gt_1_sequences_found_by_parent_id(tiny):
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     _run(core, [EngineCoreRequest("p#0", [1, 2, 3], params), EngineCoreRequest("p#1", [1, 2, 3], params)])
     assert [t["request_id"] for t in core.timeline("p")] == ["p#0", "p#1"]
+
+
+def test_refused_request_leaves_no_timeline_and_keeps_the_live_one(tiny):
+    core = make_engine(tiny, num_gpu_blocks_override=64, max_model_len=64).engine.core
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    core.add_request(EngineCoreRequest("a", [1, 2, 3], params))
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request(EngineCoreRequest("a", [4, 5], params))
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        core.add_request(EngineCoreRequest("big", list(range(100)), params))
+    assert set(core.timelines.live) == {"a"}
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.timeline("a")[0]["events"][-1]["reason"] == "length"
+    assert not core.timelines.live
