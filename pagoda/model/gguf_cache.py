@@ -2,7 +2,9 @@
 
 Parsing a GGUF's metadata with gguf-py (tens of thousands of tokenizer entries) and converting its
 tokenizer take several seconds each; both are done once per file and dtype, then later starts read
-a Hugging Face folder (config.json, model.safetensors by mmap, tokenizer.json). Entries are keyed by
+the results back: `params-<dtype>` holds a complete config.json (read without transformers) and the
+model's parameters in pagoda's own layout, mapped into memory (see `mmap_weights`); `tokenizer`
+holds tokenizer.json and its config (loaded without AutoTokenizer). Entries are keyed by
 the file's content (a sampled fingerprint), written to a temporary folder and renamed into place,
 so a half-written entry is never read. Set PAGODA_CACHE_DIR to move the cache, or to an empty
 string to turn it off.

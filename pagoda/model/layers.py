@@ -28,7 +28,10 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
     """Inverse frequencies for rotary embedding; `rope` holds rope_theta, rope_type and its scaling keys."""
     theta = float(rope.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # Always on the CPU, even while the model is built under torch.device("meta"): arithmetic on
+    # meta tensors runs Python reference kernels whose first use imports torch._dynamo (~1.5 s).
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
     kind = rope.get("rope_type", rope.get("type", "default")) or "default"
     if kind == "default":
         return inv_freq

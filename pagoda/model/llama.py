@@ -81,7 +81,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Passing the (uninitialised) weight skips nn.Embedding's normal_() init: on the meta device that
+        # init goes through Python decompositions whose first use imports ~1.4 s of torch modules.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
         )

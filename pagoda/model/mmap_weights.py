@@ -1,0 +1,78 @@
+"""A model's parameters saved as one safetensors file in pagoda's own layout, and loaded back by mmap.
+
+The GGUF load cache keeps converted weights this way: names and shapes are exactly the model's
+state_dict (merged qkv_proj / gate_up_proj), so loading needs no renaming, no merging and no copy:
+each parameter becomes a view into a private (copy-on-write) mapping of the file. On the CPU that
+costs next to nothing at load time, and the first forward pass reads the pages from the page cache,
+which the kernel maps many pages per fault (anonymous memory that a copy would fill is faulted in one
+4 KiB page at a time, and page faults are what a fresh process on a small VM spends most time on).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagoda.model.errors import ModelLoadError
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def save_params(net: nn.Module, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(path))
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def load_params(net: nn.Module, path: Path, device: torch.device) -> None:
+    """Replace every parameter and persistent buffer of `net` (built on the meta device) by the
+    file's tensor of the same name; raise ModelLoadError unless names, shapes and dtypes all match."""
+    try:
+        data_start, header = _read_header(path)
+        size = path.stat().st_size
+    except (OSError, ValueError, struct.error) as exc:
+        raise ModelLoadError(f"{path}: unreadable weights file ({exc})") from None
+    expected = net.state_dict(keep_vars=True)
+    if set(header) != set(expected):
+        missing, extra = sorted(set(expected) - set(header)), sorted(set(header) - set(expected))
+        raise ModelLoadError(f"{path}: tensors do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
+    storage = torch.UntypedStorage.from_file(str(path), False, size)  # shared=False: MAP_PRIVATE
+    for name, meta in header.items():
+        want = expected[name]
+        dtype = _DTYPES.get(meta["dtype"])
+        begin, end = (data_start + o for o in meta["data_offsets"])
+        if dtype != want.dtype or tuple(meta["shape"]) != tuple(want.shape) or end > size:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} is {meta['dtype']} {meta['shape']}, "
+                f"expected {want.dtype} {tuple(want.shape)}"
+            )
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if begin % itemsize == 0:
+            tensor = torch.empty(0, dtype=dtype).set_(storage, begin // itemsize, tuple(meta["shape"]))
+        else:  # safetensors pads its header to 8 bytes, so this is only a safety net
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage, begin, (end - begin,))
+            tensor = raw.clone().view(dtype).reshape(meta["shape"])
+        if tensor.device != device:
+            tensor = tensor.to(device)
+        _assign(net, name, tensor)
+
+
+def _assign(net: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    prefix, _, leaf = name.rpartition(".")
+    module = net.get_submodule(prefix) if prefix else net
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[leaf] = tensor
