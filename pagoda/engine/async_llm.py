@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -100,10 +101,10 @@ def merge_delta(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 
 def _limit_torch_threads() -> None:
-    """The API process uses torch only through the tokenizer: leave the cores to the engine core."""
-    try:
-        import torch
-    except ImportError:
+    """If torch is loaded in the API process (a tokenizer may import it), keep it to one thread: the
+    cores belong to the engine core. Importing torch only for this would cost seconds of start-up."""
+    torch = sys.modules.get("torch")
+    if torch is None:
         return
     torch.set_num_threads(1)
     try:
@@ -169,8 +170,8 @@ class AsyncLLM:
         from pagoda.model.loader import load_tokenizer
 
         self._loop = asyncio.get_running_loop()
+        self.client.start()  # first: the core loads the model while this process loads the tokenizer
         _limit_torch_threads()
-        self.client.start()
         self._watch_sentinel()
         if self._tokenizer_arg == "auto":
             tok_future = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.source))
@@ -179,6 +180,7 @@ class AsyncLLM:
         try:
             info = await self._wait_ready()
             self.tokenizer = await tok_future
+            _limit_torch_threads()  # again: loading the tokenizer may have imported torch
         except BaseException:
             tok_future.cancel()
             raise

@@ -7,6 +7,9 @@ with no earlier context attends over its own fresh K/V without touching the cach
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,7 +30,7 @@ class PagedKVCache:
         device: torch.device,
     ) -> None:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.tensor = _zeros(shape, dtype, torch.device(device))
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -37,6 +40,16 @@ class PagedKVCache:
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tensor[idx, 0], self.tensor[idx, 1]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU from calloc (numpy), whose large blocks are fresh pages the OS zeroes on first
+    touch, so a big cache costs no start-up time and resident memory grows only with use (torch.zeros
+    writes every byte: ~1 s and the whole budget resident at once for the default 2 GiB)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
