@@ -6,6 +6,7 @@ when the build fails the backend falls back to the pure PyTorch path, so nothing
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import lru_cache
@@ -24,8 +25,11 @@ def load_paged_decode():
     try:
         from torch.utils.cpp_extension import load
 
+        # The build folder is named after the extension, and its ninja file records the source's
+        # path: one name per checkout and source version, or two checkouts rebuild each other's.
+        key = hashlib.sha1(str(_SOURCE.resolve()).encode() + _SOURCE.read_bytes()).hexdigest()[:12]
         module = load(
-            name="pagoda_paged_decode",
+            name=f"pagoda_paged_decode_{key}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
