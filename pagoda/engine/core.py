@@ -216,7 +216,7 @@ class EngineCore:
                 num_cached_tokens=request.num_cached_tokens,
             )
             if n_before == 0:  # the first output: when the request was queued and first scheduled
-                out.queued_time = request.arrival_time
+                out.queued_time = tl.arrival_time
                 out.scheduled_time = tl.first_scheduled or 0.0
             if request.finish_reason is not None:
                 self.timelines.end(rid, now, request.finish_reason, n_out)

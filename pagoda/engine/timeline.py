@@ -16,10 +16,13 @@ DEFAULT_MAX_FINISHED = 1000
 
 
 class RequestTimeline:
-    __slots__ = ("request_id", "events", "first_scheduled", "decode_start", "decode_start_tokens", "status")
+    __slots__ = (
+        "request_id", "arrival_time", "events", "first_scheduled", "decode_start", "decode_start_tokens", "status",
+    )
 
     def __init__(self, request_id: str, arrival_time: float) -> None:
         self.request_id = request_id
+        self.arrival_time = arrival_time  # entered the core (core clock), for queue-time metrics
         self.events: list[dict[str, Any]] = [{"event": "arrived", "time": arrival_time}]
         self.first_scheduled: float | None = None  # first admission, for queue-time metrics
         self.decode_start: float | None = None  # an open decode run: when it began
@@ -68,7 +71,7 @@ class RequestTimeline:
         return {
             "request_id": self.request_id,
             "status": self.status,
-            "arrival_time": events[0]["time"],
+            "arrival_time": self.arrival_time,
             "num_admissions": sum(1 for e in events if e["event"] == "admitted"),
             "num_preemptions": sum(1 for e in events if e["event"] == "preempted"),
             "events": events,

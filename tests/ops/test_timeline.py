@@ -60,6 +60,7 @@ def test_preempted_request_timeline_shows_preemption_and_both_admissions(tiny):
     assert times == sorted(times)
     first = next(o for o in outputs if o.request_id == victims[0] and o.scheduled_time)
     assert first.scheduled_time == admits[0]["time"]
+    assert first.queued_time == tl["arrival_time"] == tl["events"][0]["time"]  # the core's own clock
 
 
 def test_chunked_prefill_and_prefix_hit_in_timeline(tiny):
