@@ -4,6 +4,7 @@
 #   benchmarks/compare_cpu.sh                          # Pagoda, pagoda serve, vLLM (CPU), llama.cpp; 3 runs each
 #   PEERS=none RUNS=1 benchmarks/compare_cpu.sh --quick   # Pagoda alone, tiny workload: checks the script
 #   PEERS="llamacpp" RUNS=5 benchmarks/compare_cpu.sh
+#   benchmarks/compare_cpu.sh --install               # install/build the peers only, run nothing
 #
 # Workload (docs/benchmarks.md, CPU-offline): SmolLM2-135M-Instruct, 64 requests, prompt lengths
 # uniform in [32, 512] (seed 0, random token ids), 128 output tokens each, greedy, EOS ignored.
@@ -49,13 +50,13 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 MODEL_NAME=SmolLM2-135M-Instruct
 
 N=64 LMIN=32 LMAX=512 OLEN=128
+INSTALL_ONLY=
+[ "${1:-}" = --install ] && INSTALL_ONLY=1
 if [ "${1:-}" = --quick ]; then  # tiny sizes, to check the script itself (numbers meaningless)
     N=4 LMIN=16 LMAX=64 OLEN=8
     OUT=$OUT/quick
 fi
 [ "$PEERS" = none ] && PEERS=
-rm -rf "$OUT"
-mkdir -p "$OUT" "$PEER_CACHE"
 failed=()
 
 log() { printf '=== %s\n' "$*"; }
@@ -178,6 +179,20 @@ run_served() {
 }
 
 # ---- the runs ------------------------------------------------------------------------------------
+mkdir -p "$PEER_CACHE"
+if [ -n "$INSTALL_ONLY" ]; then  # installing is heavy (downloads, a 7-minute build): do it ahead of the quiet runs
+    for peer in $PEERS; do
+        case $peer in
+        vllm) install_vllm || failed+=("vllm (install)") ;;
+        llamacpp) install_llamacpp || failed+=("llamacpp (build)") ;;
+        esac
+    done
+    [ ${#failed[@]} -eq 0 ] || { echo "FAILED: ${failed[*]}"; exit 1; }
+    log "peers installed in $PEER_CACHE"
+    exit 0
+fi
+rm -rf "$OUT"
+mkdir -p "$OUT"
 GGUF=$("$PYTHON" "$TOOLS" gguf-path) || { echo "the default model is not installed"; exit 1; }
 log "model: $GGUF; workload: $N requests, prompts in [$LMIN, $LMAX], $OLEN output tokens; $RUNS run(s); results in $OUT"
 

@@ -74,6 +74,12 @@ def export_hf(folder: Path) -> int:
     src = resolve_model(None).path
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    # The weights are already dequantized; only the GGUF "quantizer" marker is left, and
+    # save_pretrained refuses to write a model that carries it.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

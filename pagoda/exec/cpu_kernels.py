@@ -1,4 +1,4 @@
-"""A small C++ extension for CPU paged decode attention, compiled on first use and cached.
+"""A small C++ extension for the CPU paged KV cache (decode attention, KV write), compiled on first use and cached.
 
 Built with torch's cpp_extension (g++ and torch's headers, both present wherever pagoda installs);
 when the build fails the backend falls back to the pure PyTorch path, so nothing depends on it.
@@ -18,8 +18,8 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 
 
 @lru_cache(maxsize=1)
-def load_paged_decode():
-    """The compiled `paged_decode` function, or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+def load_cpu_kernels():
+    """The compiled module (`paged_decode`, `write_kv`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
     if os.environ.get("PAGODA_NO_CPP") == "1":
         return None
     try:
@@ -35,7 +35,7 @@ def load_paged_decode():
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-        return module.paged_decode
+        return module
     except Exception as exc:  # no compiler, no headers: the torch path still works
-        logger.warning("CPU paged decode kernel unavailable (%s); using the PyTorch path", exc)
+        logger.warning("CPU paged-cache kernels unavailable (%s); using the PyTorch path", exc)
         return None

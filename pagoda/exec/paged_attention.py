@@ -1,8 +1,10 @@
 """Paged attention in PyTorch: K/V written by slot mapping, ragged queries attending over block tables.
 
-Decodes (one query per request) go through the C++ kernel of `cpu_kernels` on CPU (it reads the
-blocks in place), else one batched scaled_dot_product_attention over K/V gathered by block table; each prefill chunk is one SDPA call (few per step, bounded by the token budget). A chunk
-with no earlier context attends over its own fresh K/V without touching the cache.
+On CPU the KV write and the decodes (one query per request) go through the C++ kernels of
+`cpu_kernels` (decode reads the blocks in place); elsewhere decodes run as one batched
+scaled_dot_product_attention over K/V gathered by block table. Each prefill chunk is one SDPA call
+(few per step, bounded by the token budget); a chunk with no earlier context attends over its own
+fresh K/V without touching the cache.
 """
 
 from __future__ import annotations
@@ -73,11 +75,13 @@ class TorchPagedAttention:
 
     def __init__(self, kv_cache: PagedKVCache) -> None:
         self.kv_cache = kv_cache
-        self.decode_kernel = None
+        self.decode_kernel = self.write_kernel = None
         if kv_cache.tensor.device.type == "cpu":
-            from pagoda.exec.cpu_kernels import load_paged_decode
+            from pagoda.exec.cpu_kernels import load_cpu_kernels
 
-            self.decode_kernel = load_paged_decode()
+            kernels = load_cpu_kernels()
+            if kernels is not None:
+                self.decode_kernel, self.write_kernel = kernels.paged_decode, kernels.write_kv
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata, scale: float
@@ -88,7 +92,7 @@ class TorchPagedAttention:
             slots = slots[: meta.num_actual_tokens]  # a padded batch: its slot -1 rows are not written
         num_tokens = slots.shape[0]
         # Padding rows (beyond the real tokens) write nothing and their outputs are never read.
-        write_kv(k_cache, v_cache, k[:num_tokens], v[:num_tokens], slots)
+        (self.write_kernel or write_kv)(k_cache, v_cache, k[:num_tokens], v[:num_tokens], slots)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
