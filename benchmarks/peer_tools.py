@@ -6,6 +6,7 @@ peers, and print the comparison table. Each is a subcommand so the shell script 
     peer_tools.py export-hf FOLDER                    # the default GGUF as an HF folder (float32)
     peer_tools.py gguf-path                           # where the default model's GGUF lies
     peer_tools.py table OUT_DIR                       # the Markdown table from OUT_DIR's JSON files
+    peer_tools.py serve-table OUT_DIR/cpu-serve       # the CPU-serve latency table
 """
 
 from __future__ import annotations
@@ -142,6 +143,26 @@ def table(out_dir: Path) -> int:
     return 0
 
 
+def serve_table(out_dir: Path) -> int:
+    """CPU-serve: one row per system, medians over its runs of each run's p50 (and p90) latencies."""
+    print("| system | runs | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | TPOT p50 ms | output tok/s | failed |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for system_dir in sorted(p for p in out_dir.iterdir() if p.is_dir()):
+        runs = [json.loads(r.read_text())["metrics"] for r in sorted(system_dir.glob("run-*.json"))]
+        if not runs:
+            continue
+
+        def med(key: str, stat: str) -> float:
+            return _median([m[key][stat] for m in runs])
+
+        print(
+            f"| {system_dir.name} | {len(runs)} | {med('ttft_ms', 'p50'):,.0f} | {med('ttft_ms', 'p90'):,.0f} "
+            f"| {med('itl_ms', 'p50'):,.0f} | {med('itl_ms', 'p90'):,.0f} | {med('tpot_ms', 'p50'):,.0f} "
+            f"| {_median([m['output_token_throughput'] for m in runs]):.1f} | {sum(m['failed'] for m in runs)} |"
+        )
+    return 0
+
+
 def main(argv: list[str]) -> int:
     cmd, *args = argv
     if cmd == "wait-ready":
@@ -154,6 +175,8 @@ def main(argv: list[str]) -> int:
         return gguf_path()
     if cmd == "table":
         return table(Path(args[0]))
+    if cmd == "serve-table":
+        return serve_table(Path(args[0]))
     print(__doc__, file=sys.stderr)
     return 2
 

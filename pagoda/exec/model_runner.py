@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
+from pagoda.exec.cpu_lm_head import logits_fn
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
 from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
@@ -90,6 +91,7 @@ class ModelRunner:
         self.device = device
         self.backend = make_attention_backend(kv_cache)
         self.sampler = Sampler()
+        self.compute_logits = logits_fn(model, device)
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         # Rows for running requests plus those finishing in the same step as others are admitted.
         self.block_tables = _BlockTables(2 * max_num_seqs, max_blocks)
@@ -199,10 +201,10 @@ class ModelRunner:
         if not sampling:
             return out  # every request is mid-prompt: nothing to sample
         if len(sampling) == meta.num_decodes == len(order):
-            logits = self.model.compute_logits(hidden)  # one row per request, all sampled: no gather
+            logits = self.compute_logits(hidden)  # one row per request, all sampled: no gather
         else:
             last_rows = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[last_rows])
+            logits = self.compute_logits(hidden[last_rows])
         reqs = [order[i] for i in sampling]
         sampling_meta = SamplingMetadata.build(
             [s.request.sampling_params for s in reqs],

@@ -127,9 +127,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] for the step's flattened tokens; returns hidden states [T, H]."""
         return self.model(input_ids, positions, attn)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        return hidden @ self.lm_head_weight().t()
 
     def _shard_sizes(self, merged: str) -> list[int]:
         attn = self.model.layers[0].self_attn
