@@ -54,3 +54,5 @@ def test_cpp_write_kv_equals_index_copy_on_strided_rows(dtype):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     with pytest.raises(RuntimeError, match="slot out of range"):
         _kernels().write_kv(k_cache, v_cache, k[:1], v[:1], torch.tensor([num_blocks * bs]))
+    with pytest.raises(RuntimeError, match="do not match"):  # rows of another head count
+        _kernels().write_kv(k_cache, v_cache, k[:2, :2], v[:2, :2], slots[:2])

@@ -109,7 +109,9 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   TORCH_CHECK(kk.stride(1) == 1 && vv.stride(1) == 1, "K/V rows must be contiguous");
   auto sl = slots.to(torch::kLong).contiguous();
   const int64_t n = kk.size(0), row = kk.size(1);
-  TORCH_CHECK(vv.size(1) == row && k_cache.numel() % row == 0);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) * k_cache.size(3) == row &&
+                  vv.size(0) == n && vv.size(1) == row && slots.numel() == n,
+              "K/V rows do not match the cache's [blocks, block_size, kv_heads, head_dim] or the slot count");
   const int64_t num_slots = k_cache.numel() / row;
   const int64_t esize = k_cache.element_size();
   const int64_t* s = sl.data_ptr<int64_t>();
