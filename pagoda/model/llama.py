@@ -13,7 +13,7 @@ from torch import nn
 
 from pagoda.model.attention import AttentionContext
 from pagoda.model.errors import ModelLoadError
-from pagoda.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from pagoda.model.layers import RMSNorm, RotaryEmbedding, RotaryStep, silu_and_mul
 
 
 def rope_parameters(config) -> dict:
@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryStep, attn: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope.apply(q, k)
         out = attn(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -73,9 +73,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, h: torch.Tensor, cos, sin, attn: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep, attn: AttentionContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's output, not yet added to the residual stream (None before the
+        first layer, where h is the embedding). Returns (this layer's output, residual), so that each
+        add goes with the RMSNorm after it (one fused pass on the CPU)."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(h, rope, attn)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -95,10 +105,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        rope = self.rotary.for_step(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, attn)
+        return self.norm(h) if residual is None else self.norm.add_forward(h, residual)[0]
 
 
 # checkpoint name suffix -> (our parameter suffix, shard index within the merged parameter)
