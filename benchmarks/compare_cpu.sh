@@ -11,8 +11,8 @@
 # Pagoda runs it offline (`pagoda bench throughput`); every server (pagoda serve, vLLM, llama.cpp) is
 # sent the very same 64 token-id prompts at once (`pagoda bench serve`, concurrency 64). Each row is
 # the median of RUNS runs; a served system is restarted for every run, so startup (launch to the
-# first answered 1-token completion) and peak RSS (VmRSS summed over the server's process tree,
-# sampled every 0.1 s) are per run too. Pagoda offline's startup and peak RSS are `bench throughput`'s
+# first answered 1-token completion) and peak RSS (each process's own peak, VmHWM, summed over the
+# server's process tree, read every 1 s) are per run too. Pagoda offline's startup and peak RSS are `bench throughput`'s
 # own (model load; ru_maxrss of its process).
 #
 # Peers are installed on first use into $PEER_CACHE (default ~/.cache/pagoda-peers), never into the

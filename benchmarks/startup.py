@@ -37,8 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_rss_bytes(root_pid: int) -> int:
-    """VmRSS of root_pid and every descendant, from /proc (Linux only)."""
+def tree_rss_bytes(root_pid: int, field: str = "VmRSS") -> int:
+    """`field` (VmRSS: resident now; VmHWM: the kernel's peak of it) summed over root_pid and every
+    descendant, from /proc (Linux only)."""
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -57,7 +58,7 @@ def tree_rss_bytes(root_pid: int) -> int:
         try:
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
+                    if line.startswith(field + ":"):
                         total += int(line.split()[1]) * 1024
                         break
         except OSError:

@@ -24,6 +24,6 @@ def load_layer_ops() -> ModuleType | None:
 
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
     """The fused ops if they apply to `x` (float32 on the CPU), else None."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype != torch.float32 or not x.is_cpu:  # is_cpu: cheaper than building x.device
         return None
     return load_layer_ops()
