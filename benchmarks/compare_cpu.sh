@@ -239,6 +239,9 @@ elif ! "$PAGODA" bench throughput --workload random --num-prompts "$N" --input-l
     failed+=(pagoda-offline)
 fi
 
+log "torch GEMM rate ($DTYPE), for the compute bound"
+"$PYTHON" "$TOOLS" gemm-rate "$DTYPE" "$OUT/gemm-rate.json" || failed+=(gemm-rate)
+
 for peer in $PEERS; do
     case $peer in
     vllm) install_vllm || { failed+=("vllm (install)"); continue; } ;;

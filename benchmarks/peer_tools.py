@@ -5,6 +5,7 @@ peers, and print the comparison table. Each is a subcommand so the shell script 
     peer_tools.py rss-watch PID OUT                   # peak RSS of PID's process tree -> OUT (bytes)
     peer_tools.py export-hf FOLDER                    # the default GGUF as an HF folder (float32)
     peer_tools.py gguf-path                           # where the default model's GGUF lies
+    peer_tools.py gemm-rate DTYPE OUT                 # torch's GEMM GFLOP/s and the model's sizes -> OUT (JSON)
     peer_tools.py table OUT_DIR                       # the Markdown table from OUT_DIR's JSON files
     peer_tools.py serve-table OUT_DIR/cpu-serve       # the CPU-serve latency table
 """
@@ -99,6 +100,60 @@ def gguf_path() -> int:
     return 0
 
 
+def gemm_rate(dtype_name: str, out: Path, reps: int = 10) -> int:
+    """torch's GEMM rate with all threads on the model's largest layer GEMM at prefill size
+    ([2048 x hidden] @ [hidden x 2 intermediate], F.linear), plus the parameter counts that turn the
+    workload into FLOPs: the rate behind the issue's compute bound."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.model.loader import load_config, resolve_model
+
+    cfg = load_config(resolve_model(None))
+    dtype = getattr(torch, dtype_name)
+    m, k, n = 2048, cfg.hidden_size, 2 * cfg.intermediate_size
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    for _ in range(3):
+        F.linear(x, w)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        F.linear(x, w)
+        times.append(time.perf_counter() - start)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    record = {
+        "dtype": dtype_name,
+        "shape": [m, k, n],
+        "threads": torch.get_num_threads(),
+        "gflops": 2 * m * n * k / statistics.median(times) / 1e9,
+        "non_embedding_params": cfg.num_hidden_layers * per_layer,
+        "lm_head_params": cfg.vocab_size * cfg.hidden_size,
+    }
+    out.write_text(json.dumps(record, indent=2))
+    print(f"torch {dtype_name} GEMM {m}x{k}x{n}: {record['gflops']:.1f} GFLOP/s")
+    return 0
+
+
+def compute_bound(out_dir: Path) -> str | None:
+    """The issue's compute bound for the offline run: 2 x non-embedding parameters per processed
+    token plus the LM head per sampled token, at the GEMM rate measured in the same run."""
+    rate_file, offline = out_dir / "gemm-rate.json", out_dir / "pagoda-offline.json"
+    if not (rate_file.exists() and offline.exists()):
+        return None
+    rate, rec = json.loads(rate_file.read_text()), json.loads(offline.read_text())
+    work = rec["workload"]
+    flops = 2 * rate["non_embedding_params"] * work["total_tokens"] + 2 * rate["lm_head_params"] * work["output_tokens"]
+    bound = work["total_tokens"] / (flops / (rate["gflops"] * 1e9))
+    reached = _median([r["total_tokens_per_s"] for r in rec["pagoda"]["runs"]])
+    return (
+        f"Compute bound: {flops / 1e12:.2f} TFLOP at torch's {rate['dtype']} GEMM rate of {rate['gflops']:.0f} GFLOP/s "
+        f"({rate['threads']} threads, {'x'.join(map(str, rate['shape']))}) = {bound:.0f} total tok/s; "
+        f"Pagoda offline reaches {100 * reached / bound:.0f} % of it."
+    )
+
+
 def _median(values: list[float]) -> float:
     values = [v for v in values if v == v]  # drop NaN
     return statistics.median(values) if values else float("nan")
@@ -145,6 +200,9 @@ def table(out_dir: Path) -> int:
     for name, total, output, startup, peak, note in rows:
         ratio = total / base if base == base and base else float("nan")
         print(f"| {name} | {total:.1f} | {output:.1f} | {ratio:.2f}x | {startup:.1f} | {peak:.0f} | {note} |")
+    bound = compute_bound(out_dir)
+    if bound:
+        print(f"\n{bound}")
     return 0
 
 
@@ -178,6 +236,8 @@ def main(argv: list[str]) -> int:
         return export_hf(Path(args[0]))
     if cmd == "gguf-path":
         return gguf_path()
+    if cmd == "gemm-rate":
+        return gemm_rate(args[0], Path(args[1]))
     if cmd == "table":
         return table(Path(args[0]))
     if cmd == "serve-table":

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
-from pagoda.exec.cpu_lm_head import logits_fn
+from pagoda.exec.cpu_linear import logits_fn, pack_linears
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
 from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
@@ -92,6 +92,7 @@ class ModelRunner:
         self.backend = make_attention_backend(kv_cache)
         self.sampler = Sampler()
         self.compute_logits = logits_fn(model, device)
+        pack_linears(model, device)  # after logits_fn, which reads the head's weight
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         # Rows for running requests plus those finishing in the same step as others are admitted.
         self.block_tables = _BlockTables(2 * max_num_seqs, max_blocks)

@@ -10,8 +10,11 @@ which the kernel maps many pages per fault (anonymous memory that a copy would f
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import struct
+import sys
 from pathlib import Path
 
 import torch
@@ -20,6 +23,9 @@ from torch import nn
 from pagoda.model.errors import ModelLoadError
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_MADV_DONTNEED = 4
+# (address, bytes) of every weights file load_params has mapped: release_pages acts only inside these.
+_MAPPED: set[tuple[int, int]] = set()
 
 
 def save_params(net: nn.Module, path: Path) -> None:
@@ -49,6 +55,7 @@ def load_params(net: nn.Module, path: Path, device: torch.device) -> None:
         missing, extra = sorted(set(expected) - set(header)), sorted(set(header) - set(expected))
         raise ModelLoadError(f"{path}: tensors do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
     storage = torch.UntypedStorage.from_file(str(path), False, size)  # shared=False: MAP_PRIVATE
+    _MAPPED.add((storage.data_ptr(), storage.nbytes()))
     for name, meta in header.items():
         want = expected[name]
         dtype = _DTYPES.get(meta["dtype"])
@@ -76,3 +83,22 @@ def _assign(net: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     else:
         module._buffers[leaf] = tensor
+
+
+def release_pages(tensor: torch.Tensor) -> bool:
+    """Give back the resident pages of a parameter that lives in a weights file mapped by load_params
+    and is no longer used (a linear whose weight was repacked), so it stops counting in RSS.
+
+    Harmless even if something reads it again: the mapping is private and weights are never written,
+    so a dropped page is read back from the file. Only whole pages inside the tensor are dropped.
+    Returns False (and does nothing) for any other tensor, or off Linux."""
+    storage = tensor.untyped_storage()
+    if sys.platform != "linux" or (storage.data_ptr(), storage.nbytes()) not in _MAPPED:
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0
