@@ -83,15 +83,15 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear and name != "lm_head" and _onednn_usable(child.weight, device)
     ]
-    swapped = 0
+    dropped = []
     for parent, name, child in targets:
         try:
             setattr(parent, name, PackedLinear(child))
         except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
             logger.warning("packed linears unavailable (%s); using F.linear", exc)
             break
-        # The packed copy replaces the weight; a weight mapped from the load cache would otherwise
-        # stay resident (the mapping lives on for the other parameters): ~430 MB for SmolLM2 in fp32.
-        release_pages(child.weight)
-        swapped += 1
-    return swapped
+        dropped.append(child.weight)
+    # The packed copies replace the weights; weights mapped from the load cache would otherwise stay
+    # resident (the mapping lives on for the other parameters): ~430 MB for SmolLM2 in fp32.
+    release_pages(dropped)
+    return len(dropped)

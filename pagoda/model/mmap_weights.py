@@ -16,6 +16,7 @@ import mmap
 import struct
 import sys
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -85,20 +86,41 @@ def _assign(net: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
-def release_pages(tensor: torch.Tensor) -> bool:
-    """Give back the resident pages of a parameter that lives in a weights file mapped by load_params
-    and is no longer used (a linear whose weight was repacked), so it stops counting in RSS.
+def _file_mapped_ranges() -> list[tuple[int, int]]:
+    """[start, end) of this process's file-backed mappings, from /proc/self/maps."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                lo, hi = fields[0].split("-")
+                ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
 
-    Harmless even if something reads it again: the mapping is private and weights are never written,
-    so a dropped page is read back from the file. Only whole pages inside the tensor are dropped.
-    Returns False (and does nothing) for any other tensor, or off Linux."""
-    storage = tensor.untyped_storage()
-    if sys.platform != "linux" or (storage.data_ptr(), storage.nbytes()) not in _MAPPED:
-        return False
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
-    if last <= first:
-        return False
+
+def release_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Give back the resident pages of parameters that live in a weights file mapped by load_params
+    and are no longer used (linears whose weights were repacked), so they stop counting in RSS.
+
+    Harmless even if something reads them again: the mapping is private and weights are never
+    written, so a dropped page is read back from the file. Only whole pages inside a tensor are
+    dropped, and only while the range is still a file mapping (a recorded mapping may have been
+    unmapped and its addresses reused). Other tensors are left alone. Returns how many were released.
+    """
+    if sys.platform != "linux":
+        return 0
+    ours = [t for t in tensors if (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) in _MAPPED]
+    if not ours:
+        return 0
+    mapped = _file_mapped_ranges()  # read once: a torch process has about a thousand mappings
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0
+    released = 0
+    for tensor in ours:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        if not any(lo <= start and end <= hi for lo, hi in mapped):
+            continue
+        first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first and libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0:
+            released += 1
+    return released
