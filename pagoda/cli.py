@@ -5,10 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagoda.config import KV_CACHE_DTYPES
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """vLLM's engine flag names."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache dtype; auto: the model's. bfloat16/float16 store an fp32 model's K/V in half the memory (CPU only)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -26,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     keys = (
-        "dtype device seed max_model_len max_num_seqs max_num_batched_tokens block_size "
+        "dtype kv_cache_dtype device seed max_model_len max_num_seqs max_num_batched_tokens block_size "
         "enable_prefix_caching enable_chunked_prefill kv_cache_memory num_gpu_blocks_override "
         "gpu_memory_utilization enforce_eager scheduling_policy"
     ).split()

@@ -5,10 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16/float16 halve an fp32 model's cache (CPU)
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
@@ -32,6 +36,8 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -82,12 +82,22 @@ class EngineCore:
         self.record_iteration_tokens = False
         self.iteration_tokens: list[int] = []
 
+    def _kv_cache_dtype(self) -> torch.dtype:
+        name = self.args.kv_cache_dtype
+        if name == "auto":
+            return self.loaded.dtype
+        if self.device.type != "cpu":
+            # The Triton kernels have not been checked against a cache dtype other than the model's.
+            raise ValueError(f"kv_cache_dtype={name!r} is supported on the CPU only; use 'auto' on {self.device.type}")
+        return getattr(torch, name)
+
     def _make_kv_cache(self) -> PagedKVCache:
         args, cfg = self.args, self.loaded.config
+        kv_dtype = self._kv_cache_dtype()
         num_kv_heads = cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         per_block = PagedKVCache.bytes_per_block(
-            cfg.num_hidden_layers, args.block_size, num_kv_heads, head_dim, self.loaded.dtype
+            cfg.num_hidden_layers, args.block_size, num_kv_heads, head_dim, kv_dtype
         )
         if args.num_gpu_blocks_override:
             num_blocks = args.num_gpu_blocks_override
@@ -98,16 +108,17 @@ class EngineCore:
                     from pagoda.exec.kv_sizing import profile_kv_budget  # a profiling forward at the token budget
 
                     budget = profile_kv_budget(self.loaded.model, args, self.max_model_len, cfg.num_hidden_layers,
-                                               num_kv_heads, head_dim, self.loaded.dtype, self.device)
+                                               num_kv_heads, head_dim, kv_dtype, self.device)
                 else:
                     budget = _DEFAULT_CPU_KV_BYTES
             num_blocks = budget // per_block
         if num_blocks < 2:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, args.block_size, num_blocks * per_block / 2**20)
-        return PagedKVCache(
-            cfg.num_hidden_layers, num_blocks, args.block_size, num_kv_heads, head_dim, self.loaded.dtype, self.device
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
+            num_blocks, args.block_size, str(kv_dtype).removeprefix("torch."), num_blocks * per_block / 2**20,
         )
+        return PagedKVCache(cfg.num_hidden_layers, num_blocks, args.block_size, num_kv_heads, head_dim, kv_dtype, self.device)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

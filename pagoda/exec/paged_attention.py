@@ -1,10 +1,11 @@
 """Paged attention in PyTorch: K/V written by slot mapping, ragged queries attending over block tables.
 
-On CPU the KV write and the decodes (one query per request) go through the C++ kernels of
-`cpu_kernels` (decode reads the blocks in place); elsewhere decodes run as one batched
-scaled_dot_product_attention over K/V gathered by block table. Each prefill chunk is one SDPA call
-(few per step, bounded by the token budget); a chunk with no earlier context attends over its own
-fresh K/V without touching the cache.
+The cache may be stored in a narrower dtype than the model computes in (`kv_cache_dtype`): rows are
+converted on write and read back in the queries' dtype. On CPU the KV write and the decodes (one
+query per request) go through the C++ kernels of `cpu_kernels` (decode reads the blocks in place);
+elsewhere decodes run as one batched scaled_dot_product_attention over K/V gathered by block table.
+Each prefill chunk is one SDPA call (few per step, bounded by the token budget); a chunk with no
+earlier context attends over its own fresh K/V without touching the cache.
 """
 
 from __future__ import annotations
@@ -55,19 +56,19 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store new K/V rows at their slots; the caller has dropped padding rows (slot -1)."""
+    """Store new K/V rows at their slots, in the cache's dtype; the caller has dropped padding rows (slot -1)."""
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slots, k)
-    flat_v.index_copy_(0, slots, v)
+    flat_k.index_copy_(0, slots, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[B, max_blocks] block tables -> [B, seq_len, H, D] contiguous K or V."""
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, max_blocks] block tables -> [B, seq_len, H, D] contiguous K or V, in `dtype` (the queries')."""
     b, nb = block_tables.shape
     # index_select on whole blocks copies rows; advanced indexing would gather element by element.
     gathered = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))
-    return gathered.view(b, nb * cache.shape[1], *cache.shape[2:])[:, :seq_len]
+    return gathered.view(b, nb * cache.shape[1], *cache.shape[2:])[:, :seq_len].to(dtype)
 
 
 class TorchPagedAttention:
@@ -111,8 +112,8 @@ class TorchPagedAttention:
         lens = meta.seq_lens[:nd]
         max_len = max(meta.seq_lens_cpu[:nd])
         tables = meta.block_tables[:nd, : (max_len + meta.block_size - 1) // meta.block_size]
-        keys = gather_kv(k_cache, tables, max_len).transpose(1, 2)  # [B, H, S, D]
-        values = gather_kv(v_cache, tables, max_len).transpose(1, 2)
+        keys = gather_kv(k_cache, tables, max_len, q.dtype).transpose(1, 2)  # [B, H, S, D]
+        values = gather_kv(v_cache, tables, max_len, q.dtype).transpose(1, 2)
         mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens.unsqueeze(1)).view(nd, 1, 1, max_len)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)
@@ -128,8 +129,8 @@ class TorchPagedAttention:
         else:
             nb = (seq_len + meta.block_size - 1) // meta.block_size
             table = meta.block_tables[i : i + 1, :nb]
-            keys = gather_kv(k_cache, table, seq_len).transpose(1, 2)
-            values = gather_kv(v_cache, table, seq_len).transpose(1, 2)
+            keys = gather_kv(k_cache, table, seq_len, q.dtype).transpose(1, 2)
+            values = gather_kv(v_cache, table, seq_len, q.dtype).transpose(1, 2)
             ctx = seq_len - n
             mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)

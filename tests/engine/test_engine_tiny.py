@@ -132,3 +132,31 @@ def test_bad_prompts_rejected_without_disturbing_others(tiny):
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_kv_cache_dtype_sizes_and_stores_the_cache(tiny):
+    loaded, _ = tiny
+    budget = 4 * 1024 * 1024
+    full = make_engine(loaded, kv_cache_memory=budget).engine.core
+    half = make_engine(loaded, kv_cache_memory=budget, kv_cache_dtype="float16").engine.core
+    assert full.kv_cache.tensor.dtype == torch.float32 and half.kv_cache.tensor.dtype == torch.float16
+    assert half.kv_cache.num_blocks == 2 * full.kv_cache.num_blocks  # the same bytes hold twice the tokens
+    # Prefill with earlier context (a chunked prompt) and decodes read the float16 cache back.
+    llm = make_engine(loaded, kv_cache_dtype="bfloat16", num_gpu_blocks_override=64, max_num_batched_tokens=16)
+    out = llm.generate([list(range(3, 40)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+    assert llm.engine.core.kv_manager.usage == 0.0
+
+
+def test_kv_cache_dtype_errors(tiny):
+    from pagoda.config import EngineArgs
+    from pagoda.engine.core import EngineCore
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16; got 'fp8'"):
+        EngineArgs(kv_cache_dtype="fp8")
+    core = EngineCore.__new__(EngineCore)  # only the dtype choice: no CUDA machine needed
+    core.args, core.device, core.loaded = EngineArgs(kv_cache_dtype="float16"), torch.device("cuda"), tiny[0]
+    with pytest.raises(ValueError, match="supported on the CPU only"):
+        core._kv_cache_dtype()
+    core.args = EngineArgs()
+    assert core._kv_cache_dtype() == torch.float32

@@ -56,3 +56,57 @@ def test_cpp_write_kv_equals_index_copy_on_strided_rows(dtype):
         _kernels().write_kv(k_cache, v_cache, k[:1], v[:1], torch.tensor([num_blocks * bs]))
     with pytest.raises(RuntimeError, match="do not match"):  # rows of another head count
         _kernels().write_kv(k_cache, v_cache, k[:2, :2], v[:2, :2], slots[:2])
+
+
+def _dense_decode(q, kc, vc, tables, lens, scale):
+    """Reference decode attention in float32 over the cache's values, one sequence at a time."""
+    hq, hkv = q.shape[1], kc.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b, n in enumerate(lens.tolist()):
+        rows = torch.cat([kc[blk] for blk in tables[b]]).float()[:n]  # [n, Hkv, D]
+        vals = torch.cat([vc[blk] for blk in tables[b]]).float()[:n]
+        keys = rows.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, n, D]
+        values = vals.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        p = torch.softmax((q[b].float().unsqueeze(1) @ keys.transpose(1, 2)).squeeze(1) * scale, dim=-1)
+        out[b] = (p.unsqueeze(1) @ values).squeeze(1)
+    return out
+
+
+# Head sizes that take each vector path (64: eight registers, 40: four and one, 12: one and a scalar
+# tail), 16-token blocks (eight tokens at once plus a tail), and a float32 model over each cache dtype.
+@pytest.mark.parametrize("head_dim", [64, 40, 12])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_seqs", [3, 9])  # per-KV-head items, then whole-row items on two threads
+def test_cpp_decode_over_each_cache_dtype(head_dim, cache_dtype, num_seqs):
+    g = torch.Generator().manual_seed(head_dim + num_seqs)
+    hq, hkv, bs, num_blocks = 6, 2, 16, 64
+    kc, vc = (torch.randn(num_blocks, bs, hkv, head_dim, generator=g).to(cache_dtype) for _ in range(2))
+    lens = torch.randint(1, 90, (num_seqs,), generator=g)
+    lens[0] = 1
+    tables = torch.randperm(num_blocks, generator=g)[: num_seqs * 6].view(num_seqs, 6)
+    q = torch.randn(num_seqs, hq, head_dim, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = _kernels().paged_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert got.dtype == torch.float32
+    want = _dense_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_write_kv_converts_to_the_cache_dtype(cache_dtype):
+    g = torch.Generator().manual_seed(2)
+    num_blocks, bs, hkv, d = 8, 4, 3, 20
+    caches = [torch.zeros(num_blocks, bs, hkv, d, dtype=cache_dtype) for _ in range(4)]
+    qkv = torch.randn(10, 5 * hkv * d, generator=g) * 50  # large values: rounding shows
+    k = qkv[:, hkv * d : 2 * hkv * d].view(-1, hkv, d)
+    v = qkv[:, 3 * hkv * d : 4 * hkv * d].view(-1, hkv, d)
+    slots = torch.randperm(num_blocks * bs, generator=g)[:10]
+    write_kv(caches[0], caches[1], k, v, slots)  # the PyTorch path: index_copy_ of k.to(cache dtype)
+    _kernels().write_kv(caches[2], caches[3], k, v, slots)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    flat = caches[2].view(-1, hkv, d)
+    assert torch.equal(flat[slots], k.to(cache_dtype))

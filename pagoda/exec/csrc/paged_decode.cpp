@@ -4,28 +4,139 @@
 // cached row once. A cache row holds all KV heads of one token ([Hkv, D], contiguous); when there
 // are enough sequences to keep every thread busy, one work item takes all KV heads of a sequence and
 // reads whole rows. With few sequences (a lone long decode) items are (sequence, KV head) instead,
-// trading strided reads for parallelism.
+// trading strided reads for parallelism. The cache may hold a float32 model's K/V as bf16 or fp16
+// (kv_cache_dtype): half the bytes to read, converted to float32 on the way in.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
-// A pointer to `n` floats of `src`: `src` itself when T is float, else a converted copy in `buf`.
-template <typename T>
-static inline const float* as_floats(const T* src, int64_t n, std::vector<float>& buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
+// `n` values of `src` as floats in `dst`. The 16-bit conversions use AVX2/F16C where the compiler
+// targets them: c10's scalar conversions made a 16-bit cache slower to decode than a float one.
+template <typename C>
+static inline void to_floats(const C* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    for (; i + 8 <= n; i += 8) {  // bf16 is the top half of an fp32: widen to 32 bits and shift
+      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
+#endif
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<C, c10::Half>) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// The K or V rows of one work item in one cache block, as floats: `n` rows of the item's KV heads,
+// `stride` floats apart. A float cache is read in place; a 16-bit one is converted into `buf`.
+template <typename C>
+static inline const float* block_rows(const C* cache, int64_t block, int64_t BS, int64_t Hkv, int64_t D, int64_t hk0,
+                                      int64_t row, int64_t n, float* buf, int64_t& stride) {
+  const C* base = cache + (block * BS * Hkv + hk0) * D;
+  if constexpr (std::is_same_v<C, float>) {
+    stride = Hkv * D;
+    return base;
   } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
-    return buf.data();
+    for (int64_t j = 0; j < n; ++j) to_floats(base + j * Hkv * D, row, buf + j * row);
+    stride = row;
+    return buf;
   }
 }
 
-template <typename T>
-static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens,
+#if defined(__AVX2__) && defined(__FMA__)
+// The eight lane sums of a0..a7, as one vector.
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // per 128-bit half
+  __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// acc[0, 8R) += sum_j p[j] * v_j[0, 8R): R independent FMA chains, kept in registers.
+template <int R>
+static inline void pv_chunk(const float* p, const float* v, int64_t stride, int64_t n, float* acc) {
+  __m256 r[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) r[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v + j * stride;
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) r[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), r[i]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(acc + 8 * i, r[i]);
+}
+#endif
+
+// scores[h * S + j] = q_h . k_j for the n tokens of one block (`scores` points at the block's first
+// token). A dot product is one chain of dependent FMAs, so eight tokens go at once.
+static inline void qk_block(const float* qf, const float* kb, int64_t stride, int64_t n, int64_t nh, int64_t G,
+                            int64_t D, float* scores, int64_t S) {
+  for (int64_t h = 0; h < nh; ++h) {
+    const float* qh = qf + h * D;
+    const float* kh = kb + (h / G) * D;
+    float* sh = scores + h * S;
+    int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+      for (; j + 8 <= n; j += 8) {
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qh + d);
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + (j + u) * stride + d), a[u]);
+        }
+        _mm256_storeu_ps(sh + j, hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+      }
+    }
+#endif
+    for (; j < n; ++j) {
+      const float* kj = kh + j * stride;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qh[d] * kj[d];
+      sh[j] = s;
+    }
+  }
+}
+
+// acc[h] += sum_j p[h * S + j] * v_j for the n tokens of one block (`p` points at its first token).
+static inline void pv_block(const float* p, int64_t S, const float* vb, int64_t stride, int64_t n, int64_t nh,
+                            int64_t G, int64_t D, float* acc) {
+  for (int64_t h = 0; h < nh; ++h) {
+    const float* ph = p + h * S;
+    const float* vh = vb + (h / G) * D;
+    float* ah = acc + h * D;
+    int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d0 + 64 <= D; d0 += 64) pv_chunk<8>(ph, vh + d0, stride, n, ah + d0);
+    for (; d0 + 32 <= D; d0 += 32) pv_chunk<4>(ph, vh + d0, stride, n, ah + d0);
+    for (; d0 + 8 <= D; d0 += 8) pv_chunk<1>(ph, vh + d0, stride, n, ah + d0);
+#endif
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = d0; d < D; ++d) ah[d] += ph[j] * vh[j * stride + d];
+  }
+}
+
+// T: the type of q and out (the model's); C: the cache's (the same, or a 16-bit type that holds an
+// fp32 model's K/V in half the bytes). The context is walked block by block: a block's rows for the
+// item's KV heads, then every query head of the item against them.
+template <typename T, typename C>
+static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* bt, const int64_t* lens,
                           T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
                           int64_t max_blocks, float scale) {
   const int64_t G = Hq / Hkv;
@@ -34,7 +145,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
   const int64_t nh = heads_kv * G;  // query heads per work item
   const int64_t row = heads_kv * D;  // floats read per token and per K or V
   at::parallel_for(0, B * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(nh * D), acc(nh * D), scores, buf(row);
+    std::vector<float> qf(nh * D), acc(nh * D), scores, buf(BS * row);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / items_per_seq, hk0 = (idx % items_per_seq) * heads_kv, h0 = hk0 * G;
       const int64_t S = lens[b];
@@ -42,16 +153,13 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
       scores.resize(nh * S);
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(q[(b * Hq + h0 + h) * D + d]) * scale;
-      for (int64_t t = 0; t < S; ++t) {
-        const float* kr = as_floats(kc + ((table[t / BS] * BS + t % BS) * Hkv + hk0) * D, row, buf);
-        for (int64_t h = 0; h < nh; ++h) {
-          const float* qh = &qf[h * D];
-          const float* kh = kr + (h / G) * D;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-          scores[h * S + t] = s;
-        }
+      int64_t stride;
+      for (int64_t t0 = 0; t0 < S; t0 += BS) {
+        const int64_t n = std::min(BS, S - t0);
+        const float* kb = block_rows(kc, table[t0 / BS], BS, Hkv, D, hk0, row, n, buf.data(), stride);
+        qk_block(qf.data(), kb, stride, n, nh, G, D, &scores[t0], S);
       }
+      std::vector<float> inv(nh);
       for (int64_t h = 0; h < nh; ++h) {
         float* sh = &scores[h * S];
         float m = -std::numeric_limits<float>::infinity();
@@ -61,49 +169,73 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
           sh[t] = std::exp(sh[t] - m);
           sum += sh[t];
         }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < S; ++t) sh[t] *= inv;
+        inv[h] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < S; ++t) {
-        const float* vr = as_floats(vc + ((table[t / BS] * BS + t % BS) * Hkv + hk0) * D, row, buf);
-        for (int64_t h = 0; h < nh; ++h) {
-          const float p = scores[h * S + t];
-          const float* vh = vr + (h / G) * D;
-          float* ah = &acc[h * D];
-          for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
-        }
+      for (int64_t t0 = 0; t0 < S; t0 += BS) {
+        const int64_t n = std::min(BS, S - t0);
+        const float* vb = block_rows(vc, table[t0 / BS], BS, Hkv, D, hk0, row, n, buf.data(), stride);
+        pv_block(&scores[t0], S, vb, stride, n, nh, G, D, acc.data());
       }
       for (int64_t h = 0; h < nh; ++h)
-        for (int64_t d = 0; d < D; ++d) out[(b * Hq + h0 + h) * D + d] = static_cast<T>(acc[h * D + d]);
+        for (int64_t d = 0; d < D; ++d)
+          out[(b * Hq + h0 + h) * D + d] = static_cast<T>(acc[h * D + d] * inv[h]);
     }
   });
 }
 
+// Calls f with a value of the C++ type of a cache dtype: float, BFloat16 or Half.
+template <typename F>
+static void with_cache_type(at::ScalarType t, const F& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype ", t);
+  }
+}
+
 // q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
-// seq_lens [B]. Returns [B, Hq, D].
+// seq_lens [B]. Returns [B, Hq, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches differ in dtype");
   auto bt = block_tables.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
   auto out = torch::empty_like(q);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                            B, Hq, Hkv, D, BS, bt.size(1), static_cast<float>(scale));
+    with_cache_type(k_cache.scalar_type(), [&](auto tag) {
+      using C = decltype(tag);
+      decode_kernel<scalar_t, C>(q.data_ptr<scalar_t>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
+                                 bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                 B, Hq, Hkv, D, BS, bt.size(1), static_cast<float>(scale));
+    });
   });
   return out;
 }
 
-// Copy token i's K and V rows ([Hkv, D] each) to cache row slots[i]. k and v may be row-strided views
-// (slices of the fused QKV projection) as long as each row is contiguous; index_copy_ on such views
-// goes element by element and costs ~100x a row copy.
+// Rows i in [begin, end) of src (row stride `stride` elements) into rows slots[i] of dst, converted.
+template <typename S, typename C>
+static void convert_rows(C* dst, const S* src, const int64_t* slots, int64_t stride, int64_t row, int64_t begin,
+                         int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    C* d = dst + slots[i] * row;
+    const S* r = src + i * stride;
+    for (int64_t j = 0; j < row; ++j) d[j] = static_cast<C>(static_cast<float>(r[j]));
+  }
+}
+
+// Copy token i's K and V rows ([Hkv, D] each) to cache row slots[i], converted to the cache's dtype
+// when it differs (a 16-bit cache under an fp32 model). k and v may be row-strided views (slices of
+// the fused QKV projection) as long as each row is contiguous; index_copy_ on such views goes
+// element by element and costs ~100x a row copy.
 void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "K and V differ in dtype");
   auto kk = k.reshape({k.size(0), -1});
   auto vv = v.reshape({v.size(0), -1});
   TORCH_CHECK(kk.stride(1) == 1 && vv.stride(1) == 1, "K/V rows must be contiguous");
@@ -113,9 +245,21 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
                   vv.size(0) == n && vv.size(1) == row && slots.numel() == n,
               "K/V rows do not match the cache's [blocks, block_size, kv_heads, head_dim] or the slot count");
   const int64_t num_slots = k_cache.numel() / row;
-  const int64_t esize = k_cache.element_size();
   const int64_t* s = sl.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < num_slots, "slot out of range");
+  if (k.scalar_type() != k_cache.scalar_type()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+      with_cache_type(k_cache.scalar_type(), [&](auto tag) {
+        using C = decltype(tag);
+        at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+          convert_rows(k_cache.data_ptr<C>(), kk.data_ptr<scalar_t>(), s, kk.stride(0), row, begin, end);
+          convert_rows(v_cache.data_ptr<C>(), vv.data_ptr<scalar_t>(), s, vv.stride(0), row, begin, end);
+        });
+      });
+    });
+    return;
+  }
+  const int64_t esize = k_cache.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(kk.data_ptr());
