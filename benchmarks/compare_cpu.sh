@@ -25,6 +25,8 @@
 #             0.3.36 sdist (about 7 minutes on 2 cores); it runs the GGUF itself (Q4_1 weights,
 #             its native path), 64 parallel slots, no unified KV cache.
 #   pagoda-serve  `pagoda serve` driven like the peers (HTTP, streaming): the like-for-like row.
+#   pagoda-serve-fp16kv  the same with `--kv-cache-dtype float16` (an fp32 model's K/V stored in
+#             half the bytes; not in the defaults, as it changes numerics: name it in PEERS or SERVE_PEERS).
 #
 # CPU-serve (docs/benchmarks.md): SERVE_PEERS (default "pagoda-serve vllm"; "none" to skip) are each
 # started once and sent 128 requests at 4 requests/s (Poisson), prompts in [32, 512], 128 output
@@ -126,10 +128,13 @@ install_llamacpp() {  # llama-server from the llama.cpp source vendored in the l
 start_server() {
     local system=$1 logfile=$2
     case $system in
-    pagoda-serve)
+    pagoda-serve | pagoda-serve-fp16kv)
+        local extra=()
+        [ "$system" = pagoda-serve-fp16kv ] && extra=(--kv-cache-dtype float16)
         # The same cap on running requests as vLLM gets below (it decides how soon a queued prompt is
         # admitted, so TTFT against ITL under CPU-serve's overload).
-        setsid "$PAGODA" serve --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" --max-num-seqs "$N" >"$logfile" 2>&1 &
+        setsid "$PAGODA" serve --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" --max-num-seqs "$N" "${extra[@]}" \
+            >"$logfile" 2>&1 &
         ;;
     vllm)
         VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) \
