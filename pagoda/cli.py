@@ -15,7 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="KV cache dtype; auto: the model's. bfloat16/float16 store an fp32 model's K/V in half the memory (CPU only)",
+        help="KV cache dtype; auto: the model's. bfloat16/float16 store an fp32 model's K/V in half the memory "
+        "(CPU only; float16 keeps more precision, bfloat16 fp32's range)",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)

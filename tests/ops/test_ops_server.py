@@ -33,7 +33,7 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_folder):
-    # 23 usable blocks of 16 tokens: three requests growing to ~10 blocks each must preempt.
+    # 23 usable blocks of 16 tokens: any three requests growing to ~10 blocks each must preempt.
     srv = ServerProcess([
         str(tiny_folder), "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "24",
         "--log-format", "json", "--enable-log-requests", "--log-stats-interval", "0.2", "--log-level", "debug",
@@ -139,9 +139,17 @@ def test_prefix_cache_hit_counter_rises_for_a_repeated_prompt(server):
 def test_forced_preemption_counts_and_shows_in_the_timeline(server):
     before = idle(server)
     ids = []
-    # Each grows to 40 + 120 = 160 tokens (10 blocks); together 30 blocks > 23 usable.
-    prompts = [[11 + i] * 40 for i in range(3)]
-    threads = [threading.Thread(target=lambda p=p: ids.append(complete(server, p, 120)["id"])) for p in prompts]
+    # Each grows to 40 + 120 = 160 tokens (10 blocks); any three together need 30 blocks > 23 usable.
+    # Four requests sent at once (a barrier): even if one ran well ahead of the rest and finished
+    # first, the other three still overlap and must preempt.
+    prompts = [[11 + i] * 40 for i in range(4)]
+    start = threading.Barrier(len(prompts))
+
+    def send(prompt):
+        start.wait()
+        ids.append(complete(server, prompt, 120)["id"])
+
+    threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
     for t in threads:
         t.start()
     for t in threads:
