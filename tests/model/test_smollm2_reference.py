@@ -59,19 +59,27 @@ def first_divergence(hf_model, prompt: list[int], got: list[int], want: list[int
     return first, float(top2[0] - top2[1])
 
 
+def near_tie_differences(hf_model, prompts: list[list[int]], outs, refs: list[list[int]], what: str) -> dict:
+    """{prompt index: (first differing token, fp32 top-2 margin there)} for each output that leaves
+    its reference; asserts that each difference is a near-tie (margin below NEAR_TIE)."""
+    differ = {}
+    for i, out in enumerate(outs):
+        got, want = out.outputs[0].token_ids, refs[i]
+        if got == want:
+            continue
+        first, margin = first_divergence(hf_model, prompts[i], got, want)
+        assert margin < NEAR_TIE, f"prompt {i}: {what} differs at token {first} where fp32's margin is {margin:.3f}"
+        differ[i] = (first, round(margin, 3))
+    return differ
+
+
 def test_bf16_first_8_tokens_equal_fp32(smollm2_bf16, hf_smollm2, smollm2_tokenizer, smollm2_prompt_ids, smollm2_hf_greedy32):
     assert smollm2_bf16.model.model.embed_tokens.weight.dtype == torch.bfloat16
     llm = make_engine(smollm2_bf16, smollm2_tokenizer, enable_prefix_caching=False, num_gpu_blocks_override=256)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids], params, use_tqdm=False)
-    near_ties = []
-    for i, out in enumerate(outs):
-        got, want = out.outputs[0].token_ids, smollm2_hf_greedy32[i][:8]
-        if got == want:
-            continue
-        first, margin = first_divergence(hf_smollm2, smollm2_prompt_ids[i], got, want)
-        assert margin < NEAR_TIE, f"prompt {i}: bf16 differs at token {first} where fp32's margin is {margin:.3f}"
-        near_ties.append(i)
+    refs = [want[:8] for want in smollm2_hf_greedy32]
+    near_ties = near_tie_differences(hf_smollm2, smollm2_prompt_ids, outs, refs, "bf16")
     assert len(near_ties) <= 4, f"bf16 flipped {near_ties}"
 
 
@@ -114,16 +122,7 @@ def test_bf16_first_16_tokens_equal_transformers_bf16(
     llm = make_engine(smollm2_bf16, smollm2_tokenizer, enable_prefix_caching=False, num_gpu_blocks_override=256)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids], params, use_tqdm=False)
-    differ = {}
-    for i, out in enumerate(outs):
-        got, want = out.outputs[0].token_ids, ref[i]
-        if got == want:
-            continue
-        first, margin = first_divergence(hf_smollm2, smollm2_prompt_ids[i], got, want)
-        assert margin < NEAR_TIE, (
-            f"prompt {i}: bf16 differs from transformers bf16 at token {first}, fp32 margin {margin:.3f}"
-        )
-        differ[i] = (first, round(margin, 3))
+    differ = near_tie_differences(hf_smollm2, smollm2_prompt_ids, outs, ref, "bf16 (against transformers bf16)")
     if not cpu_has_bf16():
         assert set(differ) <= BF16_NEAR_TIES_AVX2, f"near-ties (prompt: (token, margin)) {differ}"
 
@@ -142,12 +141,5 @@ def test_16bit_kv_cache_keeps_fp32_greedy_but_near_ties(
     assert llm.engine.core.kv_cache.tensor.dtype == getattr(torch, kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids], params, use_tqdm=False)
-    differ = {}
-    for i, out in enumerate(outs):
-        got, want = out.outputs[0].token_ids, smollm2_hf_greedy32[i]
-        if got == want:
-            continue
-        first, margin = first_divergence(hf_smollm2, smollm2_prompt_ids[i], got, want)
-        assert margin < NEAR_TIE, f"prompt {i}: differs at token {first} where fp32's margin is {margin:.3f}"
-        differ[i] = (first, round(margin, 3))
+    differ = near_tie_differences(hf_smollm2, smollm2_prompt_ids, outs, smollm2_hf_greedy32, f"{kv_cache_dtype} KV")
     assert len(differ) <= 4, f"{kv_cache_dtype} KV flipped {differ}"

@@ -145,7 +145,7 @@ static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* b
   const int64_t nh = heads_kv * G;  // query heads per work item
   const int64_t row = heads_kv * D;  // floats read per token and per K or V
   at::parallel_for(0, B * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(nh * D), acc(nh * D), scores, buf(BS * row);
+    std::vector<float> qf(nh * D), acc(nh * D), inv(nh), scores, buf(BS * row);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / items_per_seq, hk0 = (idx % items_per_seq) * heads_kv, h0 = hk0 * G;
       const int64_t S = lens[b];
@@ -159,7 +159,6 @@ static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* b
         const float* kb = block_rows(kc, table[t0 / BS], BS, Hkv, D, hk0, row, n, buf.data(), stride);
         qk_block(qf.data(), kb, stride, n, nh, G, D, &scores[t0], S);
       }
-      std::vector<float> inv(nh);
       for (int64_t h = 0; h < nh; ++h) {
         float* sh = &scores[h * S];
         float m = -std::numeric_limits<float>::infinity();
