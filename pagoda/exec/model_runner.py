@@ -16,6 +16,7 @@ import torch
 
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_linear import logits_fn, pack_linears
+from pagoda.exec.cpu_memory import keep_freed_memory
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
 from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
@@ -90,6 +91,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.backend = make_attention_backend(kv_cache)
+        if device.type == "cpu":
+            keep_freed_memory()  # each step's activations reuse resident pages instead of faulting
         self.sampler = Sampler()
         self.compute_logits = logits_fn(model, device)
         pack_linears(model, device)  # after logits_fn, which reads the head's weight

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
+from pagoda.exec.cpu_memory import lazy_zeros
 
 
 class PagedKVCache:
@@ -46,13 +46,11 @@ class PagedKVCache:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros; on the CPU from calloc (numpy), whose large blocks are fresh pages the OS zeroes on first
-    touch, so a big cache costs no start-up time and resident memory grows only with use (torch.zeros
-    writes every byte: ~1 s and the whole budget resident at once for the default 2 GiB)."""
+    """Zeros; on the CPU from `lazy_zeros`: no start-up time, resident only where written."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return lazy_zeros(nbytes).view(dtype).view(shape)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

@@ -1,0 +1,64 @@
+"""How the CPU engine takes memory from the OS: the KV cache in a lazily zeroed mapping of small
+pages, and a malloc that keeps freed activation memory for the next step.
+
+Both are about page faults: the first touch of a fresh page is a fault, and on the VMs measured here
+a 4 KiB fault costs ~10 us, so writing a 2,048-token step's K/V into fresh memory (~94 MB for
+SmolLM2 in fp32) takes ~250 ms, and glibc handing a step's large activations back to the OS after
+each layer, to fault them in again, cost ~80,000 more faults per 2,048-token step. Transparent huge
+pages fault 512 times less often, but each fault may have to compact memory first: here that made
+the same write take anywhere from 15 to 900 ms, and residency grew in 2 MiB steps per layer (peak
+RSS ~200 MB higher). docs/benchmarks.md, "Page faults", has the measurements.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import sys
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit; larger blocks are always mapped
+_TRIM_THRESHOLD = 1 << 30
+
+
+def lazy_zeros(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` zeros that costs no time to make and becomes resident only
+    where written: fresh anonymous memory, which the OS zeroes on first touch (torch.zeros writes
+    every byte: ~1 s and the whole size resident at once for a 2 GiB cache).
+
+    The mapping opts out of transparent huge pages, which numpy's zeros would ask for."""
+    if nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # MAP_PRIVATE: not on Windows
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:  # a kernel without THP: small pages anyway
+            pass
+    return torch.frombuffer(region, dtype=torch.uint8)  # holds `region` as long as the tensor lives
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed blocks (up to its 32 MiB mapping ceiling) in the heap for reuse instead
+    of unmapping or trimming them, so each step's activations land on pages already resident.
+
+    Process-wide: memory freed after a burst stays with the process (peak RSS is unchanged). Returns
+    whether the settings took (False off glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    if not ok:
+        logger.debug("mallopt refused the thresholds; freed memory goes back to the OS")
+    return ok
