@@ -98,3 +98,9 @@ def make_engine(loaded, tokenizer=None, **kwargs):
 
     args = EngineArgs.from_kwargs(device="cpu", **kwargs)
     return LLM.from_engine(LLMEngine(args, loaded=loaded, tokenizer=tokenizer))
+
+
+def proc_status_kib(field: str) -> int:
+    """A kB field of /proc/self/status (RssAnon, RssFile, VmHWM, ...) of this process (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))

@@ -14,13 +14,7 @@ import pytest
 import torch
 
 from pagoda.exec.paged_attention import PagedKVCache
-
-
-def _rss_anon_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise AssertionError("no RssAnon in /proc/self/status")
+from tests.conftest import proc_status_kib
 
 
 def _vm_flags(address: int) -> list[str]:
@@ -41,18 +35,18 @@ linux_only = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="r
 
 @linux_only
 def test_big_cache_is_zero_and_resident_only_where_written():
-    before = _rss_anon_kib()
+    before = proc_status_kib("RssAnon")
     # 30 layers x 2 x 2,048 blocks x 16 x 3 x 64 float32: 1.4 GiB, like SmolLM2's default budget.
     cache = PagedKVCache(30, 2048, 16, 3, 64, torch.float32, torch.device("cpu"))
     assert cache.tensor.is_contiguous()
-    assert _rss_anon_kib() - before < 64 * 1024  # nothing touched yet
+    assert proc_status_kib("RssAnon") - before < 64 * 1024  # nothing touched yet
     k, v = cache.layer(7)
     k[5].fill_(1.5)
     v[2047].fill_(-2.0)
     assert float(k[5].sum()) == 1.5 * 16 * 3 * 64 and float(v[2047].sum()) == -2.0 * 16 * 3 * 64
     assert float(k[4].abs().sum()) == 0.0 and float(cache.tensor[29, 1, 0].abs().sum()) == 0.0
     # Two written 12 KiB blocks (the reads map the shared zero page).
-    assert _rss_anon_kib() - before < 4 * 1024
+    assert proc_status_kib("RssAnon") - before < 4 * 1024
 
 
 @linux_only

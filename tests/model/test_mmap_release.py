@@ -9,11 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.model.mmap_weights import load_params, release_pages, save_params
-
-
-def _rss_file_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+from tests.conftest import proc_status_kib
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="madvise and /proc are Linux's")
@@ -24,9 +20,9 @@ def test_release_pages_of_a_mapped_weight(tmp_path):
         net = nn.Linear(4096, 256)
     load_params(net, path, torch.device("cpu"))
     values = net.weight.clone()  # reading it maps its pages in
-    resident = _rss_file_kib()
+    resident = proc_status_kib("RssFile")
     assert release_pages([net.weight]) == 1
-    assert resident - _rss_file_kib() >= 3 * 1024  # most of the 4 MiB left RSS
+    assert resident - proc_status_kib("RssFile") >= 3 * 1024  # most of the 4 MiB left RSS
     assert torch.equal(net.weight, values)  # read back from the file when touched again
     bias = net.bias.clone()
     assert torch.equal(net.bias, bias)
