@@ -69,6 +69,18 @@ def test_temperature_zero_is_argmax_fast_path() -> None:
     assert out.logprobs is None and out.logprob_token_ids is None
 
 
+def test_greedy_takes_the_first_of_tied_maxima_in_bf16_and_fp32() -> None:
+    # bf16 ties often (8 significant bits); greedy must pick the first maximal id, as argmax does.
+    logits = torch.randn(64, 3000).to(torch.bfloat16)
+    logits[:, 2900] = logits[:, 7] = 9.0  # every row: a tie between ids 7 and 2900
+    logits[0, 5] = 9.0  # row 0: three-way, the first at 5
+    meta = build([SamplingParams(temperature=0.0)] * 64, 3000)
+    for dtype in (torch.bfloat16, torch.float32):
+        ids = sampler(logits.to(dtype), meta).token_ids
+        assert ids[0] == 5 and bool((ids[1:] == 7).all())
+        assert torch.equal(ids, logits.to(dtype).argmax(-1))
+
+
 def test_bf16_logits_are_accepted() -> None:
     logits = torch.randn(8, 64).to(torch.bfloat16)
     out = sampler(logits, build([SamplingParams(temperature=0.0, logprobs=2)] * 8, 64))
