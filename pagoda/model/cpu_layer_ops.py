@@ -1,6 +1,6 @@
-"""The fused float32 CPU layer ops (csrc/layer_ops.cpp): RMSNorm with or without the residual add,
-rotary in place, SiLU-and-multiply. The layers use them for float32 tensors on the CPU when the
-extension builds; everything else (bf16, GPU, PAGODA_NO_CPP=1, no compiler) takes the PyTorch path.
+"""The fused CPU layer ops (csrc/layer_ops.cpp): RMSNorm with or without the residual add, rotary in
+place, SiLU-and-multiply. The layers use them for float32 and bfloat16 tensors on the CPU when the
+extension builds; everything else (float16, GPU, PAGODA_NO_CPP=1, no compiler) takes the PyTorch path.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import torch
 
 from pagoda.cpp_build import build_cpu_extension
 
+# bf16 rounds where the PyTorch path rounds (see the kernel's header), so both dtypes keep its results.
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
 _SOURCE = Path(__file__).parent / "csrc" / "layer_ops.cpp"
 
 
@@ -23,7 +26,7 @@ def load_layer_ops() -> ModuleType | None:
 
 
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
-    """The fused ops if they apply to `x` (float32 on the CPU), else None."""
-    if x.dtype != torch.float32 or not x.is_cpu:  # is_cpu: cheaper than building x.device
+    """The fused ops if they apply to `x` (float32 or bfloat16 on the CPU), else None."""
+    if x.dtype not in FUSED_DTYPES or not x.is_cpu:  # is_cpu: cheaper than building x.device
         return None
     return load_layer_ops()

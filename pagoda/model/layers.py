@@ -1,7 +1,8 @@
 """Building blocks of decoder models: RMSNorm, rotary embedding (default, linear, Llama-3 scaling), SwiGLU.
 
-float32 on the CPU goes through the fused kernels of `cpu_layer_ops` where they build; the PyTorch
-code below is the reference they are tested against and the path for every other dtype and device.
+float32 and bfloat16 on the CPU go through the fused kernels of `cpu_layer_ops` where they build; the
+PyTorch code below is the reference they are tested against and the path for every other dtype and
+device.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.model.cpu_layer_ops import fused_ops_for, load_layer_ops
+from pagoda.model.cpu_layer_ops import FUSED_DTYPES, fused_ops_for, load_layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -21,26 +22,33 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
+    def _fused_ops(self, x: torch.Tensor):
+        return fused_ops_for(x) if x.dim() == 2 and self.weight.dtype == x.dtype else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            ops = fused_ops_for(x) if x.dim() == 2 else None
-            if ops is not None:
-                return ops.rms_norm(x, self.weight, self.eps)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalise in float32 and round before the weight, as the reference does, so bf16 matches it.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        ops = self._fused_ops(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); the fused kernel does it in place, in x and residual."""
-        ops = fused_ops_for(x)
-        if ops is not None and x.dim() == 2:
+        ops = self._fused_ops(x)
+        if ops is not None:
             ops.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = x + residual
         return self(residual), residual
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in PyTorch. Below float32 it normalises in float32 and rounds before the weight, as
+    transformers does, so that bf16 matches it."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
@@ -105,15 +113,15 @@ class RotaryEmbedding(nn.Module):
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryStep":
         """What the step's attention layers need to rotate q and k at `positions`."""
-        if dtype == torch.float32 and positions.device.type == "cpu" and load_layer_ops() is not None:
+        if dtype in FUSED_DTYPES and positions.device.type == "cpu" and load_layer_ops() is not None:
             return RotaryStep(positions=positions, table=self.table(int(positions.max()) + 1 if positions.numel() else 1))
         cos, sin = self.cos_sin(positions, dtype)
         return RotaryStep(cos=cos, sin=sin)
 
 
 class RotaryStep:
-    """One step's rotary embedding: the fused in-place kernel over a cos/sin table (float32 on the
-    CPU), or PyTorch over precomputed cos and sin."""
+    """One step's rotary embedding: the fused in-place kernel over a float32 cos/sin table (float32
+    and bfloat16 on the CPU), or PyTorch over precomputed cos and sin."""
 
     def __init__(self, cos=None, sin=None, positions=None, table=None) -> None:
         self.cos, self.sin, self.positions, self.table = cos, sin, positions, table
@@ -138,5 +146,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     ops = fused_ops_for(x) if x.dim() == 2 else None
     if ops is not None:
         return ops.silu_and_mul(x)
+    return silu_and_mul_reference(x)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -1,4 +1,5 @@
-"""The fused float32 CPU layer ops equal the PyTorch layers they replace, and are used where they apply."""
+"""The fused CPU layer ops equal the PyTorch layers they replace (float32 within rounding, bfloat16 bit
+for bit but for RMSNorm's summation order), and are used where they apply."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 from pagoda.model import layers
 from pagoda.model.cpu_layer_ops import load_layer_ops
-from pagoda.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from pagoda.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rms_norm_reference, silu_and_mul_reference
 
 ops = load_layer_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the C++ layer ops did not build (see the warning)")
@@ -71,12 +72,87 @@ def test_silu_and_mul():
     torch.testing.assert_close(layers.silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
-def test_only_float32_on_cpu_takes_the_fused_path():
+def test_float32_and_bf16_on_cpu_take_the_fused_path_float16_does_not():
     rotary = RotaryEmbedding(16, {"rope_theta": 10000.0})
     positions = torch.arange(5)
-    assert rotary.for_step(positions, torch.float32).table is not None
-    bf16 = rotary.for_step(positions, torch.bfloat16)
-    assert bf16.table is None and bf16.cos.dtype == torch.bfloat16
-    x = torch.randn(4, 2 * 16, dtype=torch.bfloat16)
-    gate, up = x.chunk(2, dim=-1)
-    assert torch.equal(layers.silu_and_mul(x), F.silu(gate) * up)  # bitwise: the PyTorch path
+    for dtype in (torch.float32, torch.bfloat16):
+        assert rotary.for_step(positions, dtype).table is not None
+    fp16 = rotary.for_step(positions, torch.float16)
+    assert fp16.table is None and fp16.cos.dtype == torch.float16
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    layers_ops = layers.fused_ops_for
+    try:
+        layers.fused_ops_for = lambda x: Spy() if layers_ops(x) is not None else None
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            norm = RMSNorm(32).to(dtype)
+            x = torch.randn(4, 32, dtype=dtype)
+            norm(x), layers.silu_and_mul(torch.randn(4, 64, dtype=dtype))
+    finally:
+        layers.fused_ops_for = layers_ops
+    assert calls == ["rms_norm", "silu_and_mul"] * 2
+
+
+# bf16: the kernels round where the PyTorch path rounds, so they agree bit for bit; RMSNorm's sum of
+# squares adds up in another order, which can move a normalised value across a bf16 rounding
+# boundary, one bf16 step, and the product with the weight rounds again (measured: 0-6 elements in a
+# million, at most two steps, i.e. within 2**-6 relatively).
+def _bf16_rounding_differences(got: torch.Tensor, want: torch.Tensor) -> int:
+    """How many elements differ; asserts that each is within two bf16 steps (2**-6 relatively)."""
+    got, want = got.float(), want.float()
+    differ = got != want
+    close = (got - want).abs() <= want.abs() * 2.0**-6
+    assert bool(close[differ].all()), "a bf16 result is more than two rounding steps off"
+    return int(differ.sum())
+
+
+def test_bf16_norms_round_as_the_pytorch_path():
+    g = torch.Generator().manual_seed(3)
+    t, h = 512, 576
+    x = (torch.randn(t, h + 32, generator=g) * 3).to(torch.bfloat16)[:, :h]  # strided rows
+    res = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    norm = RMSNorm(h, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.rand(h, generator=g) + 0.5).to(torch.bfloat16)
+
+    assert _bf16_rounding_differences(norm(x), rms_norm_reference(x, norm.weight, 1e-5)) <= t * h // 10_000
+
+    x = x.contiguous()
+    want_res = x + res
+    want = rms_norm_reference(want_res, norm.weight, 1e-5)
+    out, new_res = norm.add_forward(x, res)
+    assert out.data_ptr() == x.data_ptr() and new_res.data_ptr() == res.data_ptr()
+    assert torch.equal(new_res, want_res)
+    assert _bf16_rounding_differences(out, want) <= t * h // 10_000
+
+
+def test_bf16_rotary_and_silu_equal_the_pytorch_path_bitwise():
+    g = torch.Generator().manual_seed(4)
+    rotary = RotaryEmbedding(64, {"rope_theta": 100000.0})
+    t, hq, hkv, d = 300, 9, 3, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hkv, d)
+    positions = torch.randint(0, 5000, (t,), generator=g)
+    cos, sin = rotary.cos_sin(positions, torch.bfloat16)
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    got_q, got_k = rotary.for_step(positions, torch.bfloat16).apply(q, k)
+    assert got_q.data_ptr() == q.data_ptr()
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+    x = (torch.randn(t, 2 * 1536 + 16, generator=g) * 3).to(torch.bfloat16)[:, : 2 * 1536]
+    assert torch.equal(layers.silu_and_mul(x), silu_and_mul_reference(x))
+
+
+def test_mixed_dtypes_are_refused():
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight must be contiguous, of x's dtype"):
+        ops.rms_norm(x, torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="same shape and dtype"):
+        ops.add_rms_norm_(x, torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="must be float32 or bfloat16"):
+        ops.silu_and_mul(torch.randn(2, 8, dtype=torch.float16))

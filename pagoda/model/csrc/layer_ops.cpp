@@ -1,87 +1,172 @@
-// Fused float32 CPU kernels for the decoder layer's element-wise work: RMSNorm (optionally with the
-// residual add), rotary embedding in place, and SiLU-and-multiply.
+// Fused CPU kernels for the decoder layer's element-wise work: RMSNorm (optionally with the residual
+// add), rotary embedding in place, and SiLU-and-multiply, for float32 and bfloat16.
 //
 // In PyTorch each of these is several passes over memory with a temporary per op (rotary alone is
-// neg, cat, two muls and an add, for q and for k); together they were ~10 % of a step on 2 cores.
-// Here each is one pass, parallel over rows. Only float32: bf16 must round where the reference
-// rounds, and the PyTorch path does that.
+// neg, cat, two muls and an add, for q and for k); together they were ~10 % of a float32 step on 2
+// cores, and in bf16, where every op also converts, ~25 % of a prefill step's non-GEMM time. Here
+// each is one pass, parallel over rows, computing in float32.
+//
+// bf16 rounds to bf16 exactly where the PyTorch path in layers.py rounds (each op's result: every
+// product and sum of rotary, silu before the multiply, the normalised row before the weight), so it
+// gives that path's results bit for bit but for the rare row whose float32 sum of squares is added up
+// in another order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
-// Rows per parallel task: about 16k floats, so a decode step's few rows stay on one thread.
+using bf16 = c10::BFloat16;
+
+// Load as float; round a float result as the element type stores it (identity for float32); store.
+static inline float load(float x) { return x; }
+static inline float load(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// Round to nearest even, NaN kept a NaN: c10's conversion, inline so that the loops vectorise.
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // a select: vectorises
+}
+template <typename T> static inline float rnd(float f);
+template <> inline float rnd<float>(float f) { return f; }
+template <> inline float rnd<bf16>(float f) {
+  const uint32_t u = static_cast<uint32_t>(bf16_bits(f)) << 16;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+static inline void store(float* p, float f) { *p = f; }
+static inline void store(bf16* p, float f) { p->x = bf16_bits(f); }
+
+// Rows per parallel task: about 16k elements, so a decode step's few rows stay on one thread.
 static int64_t grain_rows(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_len)); }
 
+static void check_dtype(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
 static void check_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, " must be float32");
+  check_dtype(x, name);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, hidden] with contiguous rows");
 }
 
-static inline void norm_row(const float* x, const float* w, float* out, int64_t H, float eps) {
-  float ss = 0.f;
-  for (int64_t j = 0; j < H; ++j) ss += x[j] * x[j];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-  for (int64_t j = 0; j < H; ++j) out[j] = x[j] * inv * w[j];
+static void check_weight(const torch::Tensor& w, const torch::Tensor& x) {
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.numel() == x.size(1),
+              "weight must be contiguous, of x's dtype and hidden size");
 }
 
-// out = x / rms(x) * weight
+// out = weight * round(x / rms(x)), the sum of squares in float32.
+template <typename T>
+static inline void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
+  float ss = 0.f;
+  for (int64_t j = 0; j < H; ++j) ss += load(x[j]) * load(x[j]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t j = 0; j < H; ++j) store(out + j, rnd<T>(load(x[j]) * inv) * load(w[j]));
+}
+
+template <typename T>
+static void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out, float eps) {
+  const int64_t T_ = x.size(0), H = x.size(1), xs = x.stride(0);
+  const T *xp = x.data_ptr<T>(), *w = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, T_, grain_rows(H), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) norm_row(xp + i * xs, w, op + i * H, H, eps);
+  });
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == x.size(1));
-  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0);
-  auto out = torch::empty({T, H}, x.options());
-  const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, grain_rows(H), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) norm_row(xp + i * xs, w, op + i * H, H, static_cast<float>(eps));
-  });
+  check_weight(weight, x);
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == torch::kFloat32) rms_norm_impl<float>(x, weight, out, static_cast<float>(eps));
+  else rms_norm_impl<bf16>(x, weight, out, static_cast<float>(eps));
   return out;
 }
 
-// In place: residual += x, then x = residual / rms(residual) * weight.
+template <typename T>
+static void add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, float eps) {
+  const int64_t T_ = x.size(0), H = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  T *xp = x.data_ptr<T>(), *rp = residual.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  at::parallel_for(0, T_, grain_rows(H), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T *xr = xp + i * xs, *rr = rp + i * rs;
+      for (int64_t j = 0; j < H; ++j) store(rr + j, load(rr[j]) + load(xr[j]));
+      norm_row(rr, w, xr, H, eps);
+    }
+  });
+}
+
+// In place: residual += x, then x = weight * round(residual / rms(residual)).
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == x.size(1));
-  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0), rs = residual.stride(0);
-  float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, T, grain_rows(H), [&](int64_t begin, int64_t end) {
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must have the same shape and dtype");
+  check_weight(weight, x);
+  if (x.scalar_type() == torch::kFloat32) add_rms_norm_impl<float>(x, residual, weight, static_cast<float>(eps));
+  else add_rms_norm_impl<bf16>(x, residual, weight, static_cast<float>(eps));
+}
+
+template <typename T>
+static void rotary_impl(torch::Tensor& x, const int64_t* pp, const float* cs) {
+  const int64_t T_ = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  T* xp = x.data_ptr<T>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, T_, grain_rows(NH * D), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      float *xr = xp + i * xs, *rr = rp + i * rs;
-      for (int64_t j = 0; j < H; ++j) rr[j] += xr[j];
-      norm_row(rr, w, xr, H, static_cast<float>(eps));
+      const float *c = cs + pp[i] * D, *s = c + half;
+      for (int64_t h = 0; h < NH; ++h) {
+        T* r = xp + i * s0 + h * s1;
+        for (int64_t j = 0; j < half; ++j) {
+          // The reference multiplies by cos and sin rounded to x's dtype, then rounds each product.
+          const float cj = rnd<T>(c[j]), sj = rnd<T>(s[j]);
+          const float x1 = load(r[j]), x2 = load(r[j + half]);
+          store(r + j, rnd<T>(x1 * cj) + rnd<T>(-x2 * sj));
+          store(r + j + half, rnd<T>(x2 * cj) + rnd<T>(x1 * sj));
+        }
+      }
     }
   });
 }
 
 // In place, rotate-half (NeoX) rotary on x [T, heads, D] (inner dim contiguous, other strides free):
 // for i < D/2, (x1, x2) = (x[i], x[i + D/2]) -> (x1 cos - x2 sin, x2 cos + x1 sin), with cos and sin
-// read from cos_sin[position] = [cos(p f_0..f_{D/2-1}), sin(p f_0..f_{D/2-1})].
+// read from the float32 table cos_sin[position] = [cos(p f_0..f_{D/2-1}), sin(p f_0..f_{D/2-1})].
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1, "x must be float32 [T, heads, D]");
+  check_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, heads, D] with contiguous rows");
   TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.dim() == 2);
-  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), D = x.size(2);
   TORCH_CHECK(D % 2 == 0 && cos_sin.size(1) == D, "cos_sin rows must hold D/2 cosines and D/2 sines");
   auto pos = positions.to(torch::kLong).contiguous();
   TORCH_CHECK(pos.numel() == T, "one position per row");
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t max_pos = cos_sin.size(0);
   for (int64_t i = 0; i < T; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < max_pos, "position out of the cos/sin table");
-  float* xp = x.data_ptr<float>();
-  const float* cs = cos_sin.data_ptr<float>();
-  const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  at::parallel_for(0, T, grain_rows(NH * D), [&](int64_t begin, int64_t end) {
+  if (x.scalar_type() == torch::kFloat32) rotary_impl<float>(x, pp, cos_sin.data_ptr<float>());
+  else rotary_impl<bf16>(x, pp, cos_sin.data_ptr<float>());
+}
+
+template <typename T>
+static void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t T_ = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, T_, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float *c = cs + pp[i] * D, *s = c + half;
-      for (int64_t h = 0; h < NH; ++h) {
-        float* r = xp + i * s0 + h * s1;
-        for (int64_t j = 0; j < half; ++j) {
-          const float x1 = r[j], x2 = r[j + half];
-          r[j] = x1 * c[j] - x2 * s[j];
-          r[j + half] = x2 * c[j] + x1 * s[j];
-        }
+      const T *g = xp + i * xs, *u = g + I;
+      T* o = op + i * I;
+      for (int64_t j = 0; j < I; ++j) {
+        const float gj = load(g[j]);
+        store(o + j, rnd<T>(gj / (1.f + std::exp(-gj))) * load(u[j]));
       }
     }
   });
@@ -91,17 +176,9 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
 torch::Tensor silu_and_mul(torch::Tensor x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x must hold gate and up halves");
-  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
-  auto out = torch::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float *g = xp + i * xs, *u = g + I;
-      float* o = op + i * I;
-      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
-    }
-  });
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == torch::kFloat32) silu_and_mul_impl<float>(x, out);
+  else silu_and_mul_impl<bf16>(x, out);
   return out;
 }
 
