@@ -35,9 +35,10 @@
 #
 # Environment: OFFLINE=0 skips the Pagoda offline row; PEERS (default "pagoda-serve vllm llamacpp";
 # "none" for Pagoda offline only), RUNS
-# (default 3), PEER_CACHE, OUT (default benchmarks/results/compare-cpu), DTYPE (default float32: what
-# `--dtype auto` picks on a CPU without native bf16), PORT (default 8431), THREADS (default: all
-# cores), PYTHON / PAGODA (default .venv/bin/...), READY_TIMEOUT (default 600 s).
+# (default 3), PEER_CACHE, OUT (default benchmarks/results/compare-cpu), DTYPE (default: what Pagoda's
+# `--dtype auto` picks on this CPU, bfloat16 with AVX512-BF16 or AMX, else float32; named, because
+# vLLM is given it too), PORT (default 8431), THREADS (default: all cores), PYTHON / PAGODA (default
+# .venv/bin/...), READY_TIMEOUT (default 600 s).
 # Run it on a quiet machine: every system here wants all the cores.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -47,11 +48,11 @@ SERVE_PEERS=${SERVE_PEERS:-pagoda-serve vllm}
 RUNS=${RUNS:-3}
 PEER_CACHE=${PEER_CACHE:-$HOME/.cache/pagoda-peers}
 OUT=${OUT:-benchmarks/results/compare-cpu}
-DTYPE=${DTYPE:-float32}
 PORT=${PORT:-8431}
 THREADS=${THREADS:-$(nproc)}
 PYTHON=${PYTHON:-.venv/bin/python}
 PAGODA=${PAGODA:-.venv/bin/pagoda}
+DTYPE=${DTYPE:-$("$PYTHON" -c 'from pagoda.model.loader import cpu_has_bf16; print("bfloat16" if cpu_has_bf16() else "float32")' 2>/dev/null || echo float32)}
 READY_TIMEOUT=${READY_TIMEOUT:-600}
 TOOLS=benchmarks/peer_tools.py
 VLLM_VERSION=0.32.0
