@@ -1,4 +1,5 @@
-"""A small C++ extension for the CPU paged KV cache (decode attention, KV write), compiled on first use and cached."""
+"""The execution layer's C++ CPU kernels, compiled on first use (or at `make install`) and cached:
+the paged KV cache's (decode attention over the blocks, KV write) and float32 prefill attention."""
 
 from __future__ import annotations
 
@@ -7,10 +8,16 @@ from pathlib import Path
 
 from pagoda.cpp_build import build_cpu_extension
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 
 
 @lru_cache(maxsize=1)
 def load_cpu_kernels():
     """The compiled module (`paged_decode`, `write_kv`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
-    return build_cpu_extension("pagoda_paged_decode", _SOURCE, "CPU paged-cache kernels")
+    return build_cpu_extension("pagoda_paged_decode", _CSRC / "paged_decode.cpp", "CPU paged-cache kernels")
+
+
+@lru_cache(maxsize=1)
+def load_prefill_attention():
+    """The compiled module (`prefill_attention`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+    return build_cpu_extension("pagoda_prefill_attention", _CSRC / "prefill_attention.cpp", "CPU prefill attention")

@@ -1,0 +1,90 @@
+"""The C++ float32 prefill attention (csrc/prefill_attention.cpp) equals causal SDPA, and the CPU
+backend uses it for float32 prefills (fresh prompts and chunks over cached context)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.exec.cpu_kernels import load_prefill_attention
+from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention, causal_sdpa
+
+kernel = load_prefill_attention()
+pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ prefill attention did not build (see the warning)")
+
+
+def _fused_qkv(n: int, seq_len: int, hq: int, hkv: int, d: int, g: torch.Generator):
+    """q [n, hq, d] for the last n positions, k and v [seq_len, hkv, d]: row-strided views of one
+    fused projection, as the model hands them over."""
+    qkv = torch.randn(seq_len, (hq + 2 * hkv) * d, generator=g)
+    q = qkv[seq_len - n :, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(seq_len, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(seq_len, hkv, d)
+    return q, k, v
+
+
+# Query counts around the kernel's 32-position blocks and its 6-row tiles, contexts that put the
+# diagonal mid-way through a 64-key block, one to four query heads per KV head, head sizes 16-128.
+@pytest.mark.parametrize(
+    "n,seq_len,hq,hkv,d",
+    [
+        (1, 1, 4, 4, 16),
+        (7, 7, 9, 3, 64),
+        (33, 33, 4, 1, 32),
+        (272, 272, 9, 3, 64),
+        (1, 300, 9, 3, 64),
+        (50, 110, 8, 2, 128),
+        (100, 613, 6, 3, 48),
+    ],
+)
+def test_equals_causal_sdpa(n, seq_len, hq, hkv, d):
+    g = torch.Generator().manual_seed(n * 1000 + seq_len)
+    q, k, v = _fused_qkv(n, seq_len, hq, hkv, d, g)
+    scale = d**-0.5
+    want = causal_sdpa(q, k, v, scale)
+    got = kernel.prefill_attention(q, k, v, scale)
+    assert got.shape == (n, hq, d)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_large_scores_keep_the_softmax_finite():
+    # Scores of several hundred: exp without the running max would overflow to inf/NaN.
+    g = torch.Generator().manual_seed(5)
+    q, k, v = _fused_qkv(70, 200, 4, 2, 32, g)
+    q, k = q * 30, k * 30
+    got = kernel.prefill_attention(q, k, v, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, causal_sdpa(q, k, v, 1.0), atol=1e-4, rtol=1e-4)
+
+
+def test_bad_inputs_are_refused_with_a_message():
+    q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
+    with pytest.raises(RuntimeError, match="takes float32"):
+        kernel.prefill_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernel.prefill_attention(torch.randn(4, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8), 1.0)
+    with pytest.raises(RuntimeError, match="S >= the query count"):
+        kernel.prefill_attention(torch.randn(5, 2, 16), k, k, 1.0)
+
+
+def test_backend_routes_float32_prefills_to_the_kernel_and_others_to_sdpa(monkeypatch):
+    from pagoda.exec.attn_metadata import PagedAttentionMetadata
+
+    cache = PagedKVCache(1, 8, 16, 1, 16, torch.float32, torch.device("cpu"))
+    backend = TorchPagedAttention(cache)
+    assert backend.prefill_kernel is not None
+    calls = []
+    backend.prefill_kernel = lambda *a: calls.append("kernel") or kernel.prefill_attention(*a)
+    monkeypatch.setattr("pagoda.exec.paged_attention.causal_sdpa", lambda *a: calls.append("sdpa") or causal_sdpa(*a))
+    meta = PagedAttentionMetadata.__new__(PagedAttentionMetadata)
+    meta.block_size, meta.block_tables = 16, torch.tensor([[0, 1]])
+    g = torch.Generator().manual_seed(0)
+    for dtype, d in ((torch.float32, 16), (torch.bfloat16, 16)):
+        cache = PagedKVCache(1, 8, 16, 1, d, dtype, torch.device("cpu"))
+        k_cache, v_cache = cache.layer(0)
+        q, k, v = (t.to(dtype) for t in _fused_qkv(10, 10, 2, 1, d, g))
+        backend._prefill(q, k, v, k_cache, v_cache, meta, 0, 10, 0.25)  # fresh prompt
+        k_cache.view(-1, 1, d)[:20] = torch.randn(20, 1, d).to(dtype)
+        v_cache.view(-1, 1, d)[:20] = torch.randn(20, 1, d).to(dtype)
+        backend._prefill(q, k, v, k_cache, v_cache, meta, 0, 20, 0.25)  # a chunk over 10 cached tokens
+    assert calls == ["kernel", "kernel", "sdpa", "sdpa"]
