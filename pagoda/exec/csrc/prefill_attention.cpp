@@ -1,8 +1,8 @@
 // Causal prefill attention on the CPU, float32, for grouped-query heads: one chunk of n queries (the
 // last n positions of a sequence of S tokens) against that sequence's S keys and values.
 //
-// torch's flash SDPA ran this at ~36 GFLOP/s for 272-token prompts on 2 AVX2 cores, against ~140 for
-// the model's GEMMs, so a mixed step spent ~14 % of its time here. This kernel is flash attention
+// torch's flash SDPA ran this at ~36-49 GFLOP/s for 272-token prompts on 2 AVX2 cores, against ~140
+// for the model's GEMMs, so a mixed step spent ~14 % of its time here. This kernel is flash attention
 // (a query block against key blocks, with a running max and sum) arranged so that nearly all of its
 // work is two small GEMMs done by one register-tiled AVX2 micro-kernel:
 // - a work item is one KV head and a block of BQ positions, and the G query heads that share that KV
