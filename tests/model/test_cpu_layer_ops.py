@@ -72,7 +72,7 @@ def test_silu_and_mul():
     torch.testing.assert_close(layers.silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
-def test_float32_and_bf16_on_cpu_take_the_fused_path_float16_does_not():
+def test_float32_and_bf16_on_cpu_take_the_fused_path_float16_does_not(monkeypatch):
     rotary = RotaryEmbedding(16, {"rope_theta": 10000.0})
     positions = torch.arange(5)
     for dtype in (torch.float32, torch.bfloat16):
@@ -87,14 +87,11 @@ def test_float32_and_bf16_on_cpu_take_the_fused_path_float16_does_not():
             return getattr(ops, name)
 
     layers_ops = layers.fused_ops_for
-    try:
-        layers.fused_ops_for = lambda x: Spy() if layers_ops(x) is not None else None
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            norm = RMSNorm(32).to(dtype)
-            x = torch.randn(4, 32, dtype=dtype)
-            norm(x), layers.silu_and_mul(torch.randn(4, 64, dtype=dtype))
-    finally:
-        layers.fused_ops_for = layers_ops
+    monkeypatch.setattr(layers, "fused_ops_for", lambda x: Spy() if layers_ops(x) is not None else None)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        norm = RMSNorm(32).to(dtype)
+        x = torch.randn(4, 32, dtype=dtype)
+        norm(x), layers.silu_and_mul(torch.randn(4, 64, dtype=dtype))
     assert calls == ["rms_norm", "silu_and_mul"] * 2
 
 

@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 using bf16 = c10::BFloat16;
 
@@ -121,13 +123,20 @@ static void rotary_impl(torch::Tensor& x, const int64_t* pp, const float* cs) {
   T* xp = x.data_ptr<T>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
   at::parallel_for(0, T_, grain_rows(NH * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> rounded(std::is_same_v<T, float> ? 0 : D);
     for (int64_t i = begin; i < end; ++i) {
-      const float *c = cs + pp[i] * D, *s = c + half;
+      const float* c = cs + pp[i] * D;
+      if constexpr (!std::is_same_v<T, float>) {
+        // The reference multiplies by cos and sin rounded to x's dtype (then rounds each product):
+        // round the row's table entries once, not once per head.
+        for (int64_t j = 0; j < D; ++j) rounded[j] = rnd<T>(c[j]);
+        c = rounded.data();
+      }
+      const float* s = c + half;
       for (int64_t h = 0; h < NH; ++h) {
         T* r = xp + i * s0 + h * s1;
         for (int64_t j = 0; j < half; ++j) {
-          // The reference multiplies by cos and sin rounded to x's dtype, then rounds each product.
-          const float cj = rnd<T>(c[j]), sj = rnd<T>(s[j]);
+          const float cj = c[j], sj = s[j];
           const float x1 = load(r[j]), x2 = load(r[j + half]);
           store(r + j, rnd<T>(x1 * cj) + rnd<T>(-x2 * sj));
           store(r + j + half, rnd<T>(x2 * cj) + rnd<T>(x1 * sj));
