@@ -37,13 +37,15 @@ class PagedKVCache:
         self.tensor = _zeros(shape, dtype, torch.device(device))
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # Built once: indexing the big tensor costs a few microseconds, twice per layer and step.
+        self._layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tensor[idx, 0], self.tensor[idx, 1]
+        return self._layers[idx]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -96,8 +98,10 @@ class TorchPagedAttention:
         num_tokens = slots.shape[0]
         # Padding rows (beyond the real tokens) write nothing and their outputs are never read.
         (self.write_kernel or write_kv)(k_cache, v_cache, k[:num_tokens], v[:num_tokens], slots)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == q.shape[0]:  # a pure decode step: the decode output is the whole output
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -109,8 +113,11 @@ class TorchPagedAttention:
     def _decode(self, q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
         nd = q.shape[0]
         if self.decode_kernel is not None:
-            # q may be a row-strided view of the fused QKV output (rotated in place); the kernel wants it dense.
-            return self.decode_kernel(q.contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+            # q may be a row-strided view of the fused QKV output (rotated in place): the kernel reads it as is.
+            tables, lens = meta.block_tables, meta.seq_lens
+            if nd < lens.shape[0]:
+                tables, lens = tables[:nd], lens[:nd]
+            return self.decode_kernel(q, k_cache, v_cache, tables, lens, scale)
         lens = meta.seq_lens[:nd]
         max_len = max(meta.seq_lens_cpu[:nd])
         tables = meta.block_tables[:nd, : (max_len + meta.block_size - 1) // meta.block_size]

@@ -110,3 +110,23 @@ def test_write_kv_converts_to_the_cache_dtype(cache_dtype):
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
     flat = caches[2].view(-1, hkv, d)
     assert torch.equal(flat[slots], k.to(cache_dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_decode_reads_q_in_place_from_the_fused_projection(dtype):
+    # The model hands q over as a row-strided view of the QKV projection; the kernel must read it as
+    # it stands (no copy), and give exactly what it gives for a dense copy.
+    kernel = _kernels().paged_decode
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, bs, num_seqs = 6, 2, 64, 16, 5
+    kc, vc = (torch.randn(32, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    qkv = torch.randn(num_seqs, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[:, : hq * d].view(num_seqs, hq, d)
+    assert not q.is_contiguous()
+    tables = torch.randperm(32, generator=g)[: num_seqs * 4].view(num_seqs, 4)
+    lens = torch.tensor([1, 17, 40, 64, 33])
+    got = kernel(q, kc, vc, tables, lens, d**-0.5)
+    assert got.is_contiguous() and got.shape == q.shape
+    assert torch.equal(got, kernel(q.contiguous(), kc, vc, tables, lens, d**-0.5))
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        kernel(q.transpose(1, 2), kc, vc, tables, lens, d**-0.5)

@@ -136,8 +136,8 @@ static inline void pv_block(const float* p, int64_t S, const float* vb, int64_t 
 // fp32 model's K/V in half the bytes). The context is walked block by block: a block's rows for the
 // item's KV heads, then every query head of the item against them.
 template <typename T, typename C>
-static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* bt, const int64_t* lens,
-                          T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, const C* vc, const int64_t* bt,
+                          const int64_t* lens, T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
                           int64_t max_blocks, float scale) {
   const int64_t G = Hq / Hkv;
   const int64_t heads_kv = B >= 4 * at::get_num_threads() ? Hkv : 1;  // KV heads per work item
@@ -152,7 +152,7 @@ static void decode_kernel(const T* q, const C* kc, const C* vc, const int64_t* b
       const int64_t* table = bt + b * max_blocks;
       scores.resize(nh * S);
       for (int64_t h = 0; h < nh; ++h)
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(q[(b * Hq + h0 + h) * D + d]) * scale;
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(q[b * qs0 + (h0 + h) * qs1 + d]) * scale;
       int64_t stride;
       for (int64_t t0 = 0; t0 < S; t0 += BS) {
         const int64_t n = std::min(BS, S - t0);
@@ -194,23 +194,25 @@ static void with_cache_type(at::ScalarType t, const F& f) {
   }
 }
 
-// q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks];
-// seq_lens [B]. Returns [B, Hq, D] in q's dtype.
+// q [B, Hq, D] (each head's D values contiguous; q may be a view into the fused QKV projection);
+// k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; seq_lens [B].
+// Returns a new contiguous [B, Hq, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches differ in dtype");
   auto bt = block_tables.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
-  auto out = torch::empty_like(q);
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  auto out = torch::empty({B, Hq, D}, q.options());
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     with_cache_type(k_cache.scalar_type(), [&](auto tag) {
       using C = decltype(tag);
-      decode_kernel<scalar_t, C>(q.data_ptr<scalar_t>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
-                                 bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                                 B, Hq, Hkv, D, BS, bt.size(1), static_cast<float>(scale));
+      decode_kernel<scalar_t, C>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<C>(),
+                                 v_cache.data_ptr<C>(), bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                 out.data_ptr<scalar_t>(), B, Hq, Hkv, D, BS, bt.size(1), static_cast<float>(scale));
     });
   });
   return out;
