@@ -37,8 +37,17 @@ class PagedKVCache:
         self.tensor = _zeros(shape, dtype, torch.device(device))
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Built once: indexing the big tensor costs a few microseconds, twice per layer and step.
-        self._layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    @tensor.setter
+    def tensor(self, value: torch.Tensor) -> None:
+        self._tensor = value
+        # The per-layer views, built once per tensor: indexing it costs a few microseconds, twice
+        # per layer and step.
+        self._layers = [(value[i, 0], value[i, 1]) for i in range(value.shape[0])]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

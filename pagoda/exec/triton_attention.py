@@ -147,16 +147,19 @@ def _decode_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_splits
+    mask_d = offs_d < head_dim
     lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)  # part 0 is never empty (seq_len >= 1), so m is finite
     w = tl.where(mask_s, tl.exp(lse - m), 0.0)
+    # Columns past head_dim were never written (the partials are BLOCK_D wide): never read them,
+    # or whatever the buffer held (a NaN) would be multiplied in.
     parts = tl.load(
         part_out_ptr + (row * num_splits + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-        mask=mask_s[:, None],
+        mask=mask_s[:, None] & mask_d[None, :],
         other=0.0,
     )
     out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit

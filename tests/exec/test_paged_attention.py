@@ -73,3 +73,14 @@ def test_paged_equals_dense_on_ragged_batches(seed):
     kc, _ = cache.layer(0)
     flat = kc.view(-1, HKV, D)
     torch.testing.assert_close(flat[meta.slot_mapping], k)
+
+
+def test_cache_layer_views_follow_the_tensor():
+    # layer() hands out views built once; a cache whose tensor is replaced (moved to another device,
+    # say) must hand out views of the new one.
+    cache = PagedKVCache(2, num_blocks=4, block_size=BS, num_kv_heads=HKV, head_dim=D, dtype=torch.float32, device="cpu")
+    k1, v1 = cache.layer(1)
+    assert k1.data_ptr() == cache.tensor[1, 0].data_ptr() and v1.data_ptr() == cache.tensor[1, 1].data_ptr()
+    cache.tensor = cache.tensor.clone()
+    k1, v1 = cache.layer(1)
+    assert k1.data_ptr() == cache.tensor[1, 0].data_ptr() and v1.data_ptr() == cache.tensor[1, 1].data_ptr()

@@ -12,6 +12,7 @@ import importlib
 import os
 import random
 import sys
+import warnings
 
 import pytest
 import torch
@@ -115,6 +116,32 @@ def test_decode_equals_reference(ctx_lens, num_splits):
     kc, vc = cache.layer(0)
     qd, bt, sl = _to(DEVICE, q, meta.block_tables, meta.seq_lens)
     out = ta.paged_decode(qd, kc, vc, bt, sl, D**-0.5, num_splits)
+    torch.testing.assert_close(out.cpu(), ref, **TOL)
+
+
+def test_decode_reduce_never_reads_unwritten_partial_columns(monkeypatch):
+    """Split-K partials are BLOCK_D wide (16 here) but hold head_dim (8) columns. The reduce must not
+    read the others. Filled with inf here, they would be weighted by an empty part's zero weight:
+    inf * 0, which the interpreter reports as a RuntimeWarning (an error in this test). On a GPU the
+    NaN lanes are dropped unseen; uninitialised memory made the interpreter warn now and then."""
+    real_empty = torch.empty
+
+    def inf_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("inf")) if t.is_floating_point() else t
+
+    ctx_lens, num_splits = [40, 7, 33], 3  # the 7-token sequence leaves parts empty
+    assert ta._pow2(D, 16) > D
+    cache, meta, q, k, v, _ = build_batch([(c - 1, 1) for c in ctx_lens], num_blocks=32, seed=5)
+    ref = reference(cache, meta, q, k, v)
+    cache = _cache_on(cache, DEVICE)
+    kc, vc = cache.layer(0)
+    qd, bt, sl = _to(DEVICE, q, meta.block_tables, meta.seq_lens)
+    monkeypatch.setattr(torch, "empty", inf_empty)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = ta.paged_decode(qd, kc, vc, bt, sl, D**-0.5, num_splits)
+    monkeypatch.undo()
     torch.testing.assert_close(out.cpu(), ref, **TOL)
 
 
