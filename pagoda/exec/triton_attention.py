@@ -151,8 +151,8 @@ def _decode_reduce_kernel(
     lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)  # part 0 is never empty (seq_len >= 1), so m is finite
     w = tl.where(mask_s, tl.exp(lse - m), 0.0)
-    # Columns past head_dim were never written (the partials are BLOCK_D wide): never read them,
-    # or whatever the buffer held (a NaN) would be multiplied in.
+    # Columns past head_dim were never written (the partials are BLOCK_D wide): never read them, or
+    # whatever the buffer held would be weighted in (an inf times an empty part's zero weight: NaN).
     parts = tl.load(
         part_out_ptr + (row * num_splits + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
         mask=mask_s[:, None] & mask_d[None, :],
