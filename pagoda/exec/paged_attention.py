@@ -123,10 +123,7 @@ class TorchPagedAttention:
         nd = q.shape[0]
         if self.decode_kernel is not None:
             # q may be a row-strided view of the fused QKV output (rotated in place): the kernel reads it as is.
-            tables, lens = meta.block_tables, meta.seq_lens
-            if nd < lens.shape[0]:
-                tables, lens = tables[:nd], lens[:nd]
-            return self.decode_kernel(q, k_cache, v_cache, tables, lens, scale)
+            return self.decode_kernel(q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         lens = meta.seq_lens[:nd]
         max_len = max(meta.seq_lens_cpu[:nd])
         tables = meta.block_tables[:nd, : (max_len + meta.block_size - 1) // meta.block_size]
