@@ -18,6 +18,8 @@ Failure handling, all without hanging a caller:
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import itertools
 import logging
 import sys
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "AsyncLLM",
+    "ChatTemplateArgumentError",
     "EngineDeadError",
     "EngineNotReadyError",
     "RequestTimeoutError",
@@ -98,6 +101,19 @@ def merge_delta(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
     acc.num_cached_tokens = new.num_cached_tokens
     acc.metrics = new.metrics
     return acc
+
+
+class ChatTemplateArgumentError(ValueError):
+    """chat_template_kwargs names one of apply_chat_template's own arguments, not a template variable."""
+
+
+@functools.lru_cache(maxsize=None)
+def _chat_template_arguments(tokenizer_cls: type) -> frozenset[str]:
+    """The named parameters of the tokenizer's apply_chat_template that are not conversation content
+    (padding, truncation, tokenize, ...): its other keyword arguments become template variables."""
+    params = inspect.signature(tokenizer_cls.apply_chat_template).parameters.values()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(named - {"self", "tools", "documents"})
 
 
 def _limit_torch_threads() -> None:
@@ -389,6 +405,13 @@ class AsyncLLM:
             raise ValueError("this model has no chat template; use /v1/completions")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        reserved = sorted(set(chat_template_kwargs or ()) & _chat_template_arguments(type(tok)))
+        if reserved:
+            # They would reach the tokenizer, not the template: {"truncation": true, "max_length": 2}
+            # would silently cut the prompt, {"tokenize": false} would return text.
+            raise ChatTemplateArgumentError(
+                f"chat_template_kwargs cannot set {', '.join(reserved)}: it holds template variables only"
+            )
         try:
             ids = tok.apply_chat_template(
                 messages,
@@ -462,15 +485,25 @@ class AsyncLLM:
         self.validate(prompt_ids, params)
         state = _RequestState(request_id, params.n)
         self._requests[request_id] = state
-        child_ids = self.processor.add_request(request_id, text, prompt_ids, params, self.eos_token_id, delta=True)
-        for cid in child_ids:
-            self._child_to_parent[cid] = request_id
+        child_ids: list[str] = []
+        sent = 0
         try:
+            child_ids = self.processor.add_request(request_id, text, prompt_ids, params, self.eos_token_id,
+                                                   delta=True)
+            for cid in child_ids:
+                self._child_to_parent[cid] = request_id
             for req in make_core_requests(child_ids, prompt_ids, params, self.eos_token_id, priority, time.time()):
                 self.client.send(EngineCoreRequestType.ADD, encode(req))
+                sent += 1
         except EngineDeadError as exc:
             self._forget(request_id, child_ids, abort=False)
             self._mark_dead(str(exc))
+            raise
+        except BaseException:
+            # Anything else (e.g. a value msgpack cannot encode): forget the request, else it stays
+            # "in flight" for good (a drain waits for it, the waiting-queue bound counts it), and
+            # abort any children the core already has.
+            self._forget(request_id, child_ids, abort=sent > 0)
             raise
         timeout = timeout if timeout is not None else self.request_timeout
         return RequestStream(self, state, child_ids, timeout)

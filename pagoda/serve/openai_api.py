@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.engine.async_llm import (
+    ChatTemplateArgumentError,
     EngineDeadError,
     EngineNotReadyError,
     RequestAbortedError,
@@ -330,11 +331,11 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
     finished: set[int] = set()
     lp_state: dict[int, CompletionLogprobs] = {}
     completion_tokens = 0
-    cached = 0
+    cached: dict[int, int] = {}  # per prompt; the usage sums them, as the whole response does
     include_usage = body.include_usage
     try:
         async for i, out in merge_streams(streams):
-            cached = max(cached, out.num_cached_tokens)
+            cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
             for seq in out.outputs:
                 idx = i * n + seq.index
                 if idx in finished:
@@ -374,7 +375,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
                     )
                 yield sse(chunk)
         if include_usage:
-            yield _usage_event(request_id, "text_completion", created, prep, completion_tokens, cached)
+            yield _usage_event(request_id, "text_completion", created, prep, completion_tokens, sum(cached.values()))
         yield SSE_DONE
     except Exception as exc:
         yield sse(engine_error(exc).body())
@@ -402,6 +403,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
         )
+    except ChatTemplateArgumentError as exc:
+        raise bad_request(str(exc), param="chat_template_kwargs") from None
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     prompts = [(None, ids)]

@@ -8,7 +8,8 @@ Turning a request into `SamplingParams` lives here too, so every field's meaning
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,10 +17,65 @@ from pagoda.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / top_logprobs
 _SEED_MAX = 2**63 - 1
+# Integers travel to the engine core as msgpack, which holds 64 bits: larger ones must be a 400 here,
+# not an OverflowError once the request is half sent.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
+# JSON may spell a lone UTF-16 surrogate ("\ud800"); such a string cannot be encoded as UTF-8, so the
+# tokenizer, the msgpack encoder and even our own error response would fail on it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class FieldError(ValueError):
+    """A ValueError from a model validator that knows which request field it is about (`param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _find_lone_surrogate(value: Any) -> tuple | None:
+    """The path to a string (or dict key) in `value` that holds a lone surrogate, else None.
+    A loop, not recursion: a deeply nested body must not end in RecursionError (a 500)."""
+    stack: list[tuple[tuple, Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if _LONE_SURROGATE.search(v):
+                return path
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if isinstance(k, str) and _LONE_SURROGATE.search(k):
+                    return (*path, k)
+                stack.append(((*path, k), item))
+        elif isinstance(v, list):  # only what can hold text: a long list of token ids costs little
+            stack.extend(((*path, i), item) for i, item in enumerate(v) if isinstance(item, (str, dict, list)))
+    return None
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # allow_inf_nan: Python's JSON parser accepts NaN and Infinity, which no sampling knob means.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _Request(_Body):
+    """A whole request body (not a part of one): its strings must be valid Unicode, and the fields
+    named in `_null_means_default` take their default when sent as null."""
+
+    # OpenAI's API lets these be null, meaning the default; some clients send every field, null or not.
+    _null_means_default: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = _find_lone_surrogate(data)
+        if found is not None:
+            where = ".".join(str(x) for x in found) or "the request body"
+            raise FieldError(f"{where}: the text is not valid Unicode (a lone surrogate)",
+                             param=str(found[0]) if found else None)
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in cls._null_means_default):
+            data = {k: v for k, v in data.items() if v is not None or k not in cls._null_means_default}
+        return data
 
 
 class StreamOptions(_Body):
@@ -27,8 +83,10 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    _null_means_default = frozenset({"n", "stream"})
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -43,15 +101,15 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=_INT64_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=_INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[_Int64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int | None = None
+    priority: _Int64 | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
 
     @model_validator(mode="after")
@@ -94,6 +152,8 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
+    _null_means_default = _SamplingFields._null_means_default | {"echo"}
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -158,6 +218,8 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    _null_means_default = _SamplingFields._null_means_default | {"logprobs"}
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -191,7 +253,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.top_logprobs or 0
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     """vLLM's /tokenize: either a prompt or chat messages."""
 
     model: str | None = None
@@ -212,7 +274,7 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 

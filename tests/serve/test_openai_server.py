@@ -328,6 +328,18 @@ def test_prompt_forms_and_echo(client, http):
     assert many_ids.choices[0].text == many_ids.choices[1].text
 
 
+def test_stream_usage_counts_cached_tokens_of_every_prompt(client):
+    # Two prompts of more than one KV block each, sent once to fill the prefix cache: then both hit it,
+    # and the streamed usage must report the same cached total as the whole response (not one prompt's).
+    prompts = [f"Story {i}: once upon a time there was a small village by the sea, and in it lived" for i in (1, 2)]
+    kw = dict(model=MODEL, prompt=prompts, max_tokens=2, temperature=0)
+    client.completions.create(**kw)
+    whole = client.completions.create(**kw).usage.prompt_tokens_details.cached_tokens
+    _, _, usage = stream_completion(client, stream_options={"include_usage": True}, **kw)
+    assert whole >= 2 * 16  # a full block of each prompt
+    assert usage.prompt_tokens_details.cached_tokens == whole
+
+
 def test_vllm_extensions(client, http):
     greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
                                        extra_body={"ignore_eos": True})
@@ -421,6 +433,10 @@ def _bad_cases() -> list:
         ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt"),
         ("empty token list", "/v1/completions", {"prompt": [[]]}, 400, "prompt"),
         ("token id out of vocab", "/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+        # msgpack to the engine core holds 64-bit integers (these were a 500 and a request leaked in flight)
+        ("top_k beyond 64 bits", "/v1/completions", {"prompt": "x", "top_k": 2**64}, 400, "top_k"),
+        ("priority beyond 64 bits", "/v1/completions", {"prompt": "x", "priority": -(2**64)}, 400, "priority"),
+        ("stop token id beyond 64 bits", "/v1/chat/completions", {"messages": CHAT, "stop_token_ids": [10**20]}, 400, "stop_token_ids"),
         ("prompt longer than context", "/v1/completions", {"prompt": ("ids", CONTEXT)}, 400, "prompt"),
         ("max_tokens beyond context", "/v1/completions", {"prompt": "x", "max_tokens": CONTEXT}, 400, "max_tokens"),
         ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),
@@ -431,6 +447,9 @@ def _bad_cases() -> list:
         ("missing messages", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
         ("chat prompt too long", "/v1/chat/completions", {"messages": ("words", CONTEXT)}, 400, "messages"),
         ("chat max_tokens beyond context", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": CONTEXT}, 400, "max_tokens"),
+        # apply_chat_template's own arguments would reach the tokenizer (silently cutting the prompt)
+        ("chat_template_kwargs truncating", "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"truncation": True, "max_length": 2}}, 400, "chat_template_kwargs"),
+        ("tokenize with chat_template_kwargs tokenize", "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs"),
         ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, None),
         ("unsupported content part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
         ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
@@ -466,6 +485,18 @@ def test_bad_request_gets_error_shape(http, client, max_len, name, path, body, s
         assert err["param"] == param
     ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
     assert ok.choices[0].text and ok.usage.completion_tokens == 2
+    # Nothing of the bad request stays in flight in the API process.
+    assert engine_stats(http)["num_unfinished_sequences"] == 0
+
+
+def test_chat_template_kwargs_reach_the_template(http):
+    """Template variables pass through (this template ignores unknown ones: same tokens), while
+    apply_chat_template's own arguments are refused (test_bad_request_gets_error_shape)."""
+    plain = tokenize(http, messages=CHAT)
+    assert tokenize(http, messages=CHAT, chat_template_kwargs={"enable_thinking": False}) == plain
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "temperature": 0,
+                                                "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(plain), r.text
 
 
 def test_malformed_json_and_wrong_content(http, client):

@@ -1,11 +1,15 @@
 """Fast tests of the service layer's parts that need no model: the API keys file, token buckets,
-tenant priorities, request models and the error shape, delta merging; and `pagoda serve` failing
-cleanly (exit 2 for bad arguments, exit 1 when the engine core cannot start)."""
+tenant priorities, request models and the error shape (over HTTP, with no engine behind the app),
+delta merging, a request the engine client cannot send; and `pagoda serve` failing cleanly (exit 2
+for bad arguments, exit 1 when the engine core cannot start)."""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,6 +132,133 @@ def test_request_models_map_to_sampling_params():
     assert chat.messages[0].to_template_dict() == {"role": "user", "content": "a\nb"}
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params().max_tokens is None
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True).to_sampling_params().logprobs == 0
+
+
+def test_openai_nullable_fields_take_their_default():
+    # OpenAI's API documents n, stream, echo and (chat) logprobs as nullable; null means the default.
+    from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    c = CompletionRequest.model_validate({"prompt": "x", "n": None, "stream": None, "echo": None})
+    assert (c.n, c.stream, c.echo) == (1, False, False)
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "n": None, "stream": None, "logprobs": None}
+    )
+    assert (chat.n, chat.stream, chat.logprobs) == (1, False, False)
+    assert chat.to_sampling_params().logprobs is None
+
+
+# -- bad bodies over HTTP: a 400 in OpenAI's shape before anything reaches the engine -----------------
+class _NoEngine:
+    """Stands in for the engine: any use of it fails the request (with a 500), so a test that gets its
+    400 shows that validation turned the body away first."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"a bad request reached the engine (.{name})")
+
+
+@pytest.fixture
+def api():
+    from fastapi.testclient import TestClient
+
+    from pagoda.serve.app import ServerConfig, ServerState, build_app
+
+    state = ServerState(ServerConfig(served_model_names=["m"]), _NoEngine())
+    state.status = "ready"
+    # Not entered as a context manager: the lifespan, which would start the engine, does not run.
+    return TestClient(build_app(state), raise_server_exceptions=False)
+
+
+def _assert_400(r, param: str) -> dict:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    return err
+
+
+CHAT = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "x", "top_k": 2**64}, "top_k"),
+        ("/v1/completions", {"prompt": "x", "priority": -(2**64)}, "priority"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**30]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 2**64, "max_tokens": None}, "min_tokens"),
+        ("/v1/chat/completions", {"messages": CHAT, "priority": 10**30}, "priority"),
+    ],
+)
+def test_integers_beyond_64_bits_are_400(api, path, body, param):
+    # Requests reach the engine core as msgpack, which holds 64-bit integers: a larger one was a 500
+    # (OverflowError) that also left the request counted as in flight for good.
+    _assert_400(api.post(path, json=body), param)
+
+
+@pytest.mark.parametrize(
+    "path,raw,param",
+    [
+        ("/v1/completions", r'{"prompt": "a\ud800b"}', "prompt"),
+        ("/v1/completions", r'{"prompt": ["fine", "\udfff"]}', "prompt"),
+        ("/v1/completions", r'{"prompt": "x", "stop": ["\ud800"]}', "stop"),
+        ("/v1/completions", r'{"prompt": "x", "model": "\ud800"}', "model"),
+        ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages"),
+        ("/tokenize", r'{"prompt": "\ud800"}', "prompt"),
+    ],
+)
+def test_lone_surrogates_are_400(api, path, raw, param):
+    # Valid JSON, invalid Unicode: the tokenizer (TypeError), the msgpack encoder and the 404 message
+    # for such a model name (UnicodeEncodeError) all failed on it, with a 500.
+    err = _assert_400(api.post(path, content=raw.encode(), headers={"content-type": "application/json"}), param)
+    assert "Unicode" in err["message"]
+
+
+@pytest.mark.parametrize("raw,param", [
+    ('{"prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty"),
+    ('{"prompt": "x", "top_p": NaN}', "top_p"),
+])
+def test_nan_and_infinity_are_400(api, raw, param):
+    # Python's JSON parser accepts these non-standard numbers; no sampling knob means them.
+    r = api.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    err = _assert_400(r, param)
+    assert "finite" in err["message"]
+
+
+def test_request_that_cannot_be_sent_leaves_nothing_in_flight(tmp_path):
+    """A request that fails while being sent to the core (here: msgpack cannot encode it) must be
+    forgotten, else it counts as in flight for good: the waiting-queue bound counts it and a drain
+    waits for it until its timeout. Children already sent are aborted in the core."""
+    from pagoda.config import EngineArgs
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.engine.messages import EngineCoreReady, EngineCoreRequestType
+    from pagoda.engine.output_processor import OutputProcessor
+    from pagoda.sampling_params import SamplingParams
+
+    (tmp_path / "config.json").write_text("{}")  # enough for the engine to accept the folder
+    engine = AsyncLLM(EngineArgs.from_kwargs(model=str(tmp_path)), tokenizer=None)
+    shutil.rmtree(engine.client._tmpdir, ignore_errors=True)  # the real client is never started
+    sent: list[bytes] = []
+
+    def send(kind: bytes, payload: bytes = b"") -> None:
+        if kind == EngineCoreRequestType.ADD and sent.count(kind) == 1:
+            raise RuntimeError("the second child cannot be sent")
+        sent.append(kind)
+
+    engine.client = SimpleNamespace(send=send)
+    engine.info = EngineCoreReady(max_model_len=64, vocab_size=100, num_blocks=10, num_usable_blocks=9,
+                                  block_size=16, model_name="m")
+    engine.processor = OutputProcessor(None)
+    engine.ready = True
+
+    with pytest.raises(OverflowError):  # nothing sent
+        asyncio.run(engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=[2**70]), "r1"))
+    assert sent == []
+    assert engine.num_inflight_requests() == 0 and engine.num_unfinished_sequences() == 0
+
+    with pytest.raises(RuntimeError):  # the first of two children sent, then a failure
+        asyncio.run(engine.add_request([1, 2, 3], SamplingParams(n=2, max_tokens=4), "r2"))
+    assert sent == [EngineCoreRequestType.ADD, EngineCoreRequestType.ABORT]
+    assert engine.num_inflight_requests() == 0 and engine.num_unfinished_sequences() == 0
 
 
 def test_merge_delta_concatenates():
