@@ -65,6 +65,10 @@ def validate_prompt(
     With `block_size` and `num_usable_blocks` a request that could never fit the KV cache is refused
     here rather than by the core.
     """
+    if params.prompt_logprobs is not None:
+        # Accepted by SamplingParams for vLLM compatibility, but the runner computes logits only for
+        # sampling rows: refuse rather than return outputs without the logprobs that were asked for.
+        raise ValueError("prompt_logprobs is not supported yet (logprobs of sampled tokens are)")
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("the prompt is empty")

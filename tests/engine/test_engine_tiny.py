@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
+import msgspec
 import pytest
 import torch
 
 from pagoda import SamplingParams
-from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, decoder, encode
+from pagoda.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreStats,
+    UtilityRequest,
+    UtilityResult,
+    decoder,
+    encode,
+)
+from pagoda.engine.timeline import RequestTimeline
+from pagoda.kv.invariants import check_kv_invariants
 from pagoda.model.loader import load_model
-from tests.conftest import make_engine
+from tests.conftest import hf_greedy, make_engine
 from tests.tiny_models import save_tiny_model
 
 
@@ -120,6 +136,71 @@ def test_messages_round_trip():
     assert decoder(EngineCoreOutput).decode(encode(out)) == out
 
 
+def _all_fields_set(msg):
+    """Check that a message sets every optional field away from its default, so that a field the
+    encoder dropped or the decoder misread cannot hide behind the default; returns the message."""
+    for f in msgspec.inspect.type_info(type(msg)).fields:
+        if not f.required:
+            default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+            assert getattr(msg, f.name) != default, f"{type(msg).__name__}.{f.name} left at its default"
+    return msg
+
+
+def test_c9_every_message_round_trips_with_every_field_set():
+    sp = SamplingParams(
+        n=2, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1, presence_penalty=0.2,
+        frequency_penalty=-0.3, seed=11, max_tokens=7, min_tokens=2, stop=["a", "bc"], stop_token_ids=[4, 5],
+        ignore_eos=True, include_stop_str_in_output=True, logprobs=0, prompt_logprobs=1,
+        skip_special_tokens=False, detokenize=False, extra={"k": [1, "v"]},
+    )
+    for f in dataclasses.fields(SamplingParams):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert getattr(sp, f.name) != default, f"SamplingParams.{f.name} left at its default"
+    req = _all_fields_set(EngineCoreRequest(
+        "r#1", [1, 2, 3], sp, eos_token_id=2, arrival_time=12.5, priority=-3, cache_salt="salt",
+        share_prompt_with="r#0",
+    ))
+    out = _all_fields_set(EngineCoreOutput(
+        "r#1", [5, 6], new_logprobs=[([5, 9], [-0.25, -3.5]), ([6], [-0.5])], finish_reason="stop",
+        stop_reason="bc", num_cached_tokens=16, queued_time=1.5, scheduled_time=2.5,
+    ))
+    stats = _all_fields_set(EngineCoreStats(
+        num_running=1, num_waiting=2, kv_usage=0.25, prefix_cache_queries=40, prefix_cache_hits=16,
+        num_preemptions=3, num_blocks=65, num_usable_blocks=64, num_free_blocks=48, num_steps=9,
+        num_aborted_requests=1, pid=1234,
+    ))
+    ready = _all_fields_set(EngineCoreReady(
+        max_model_len=512, vocab_size=512, num_blocks=65, num_usable_blocks=64, block_size=16,
+        model_name="tiny", architecture="LlamaForCausalLM", dtype="float32", device="cpu", eos_token_id=2, pid=1234,
+    ))
+    call = _all_fields_set(UtilityRequest(3, "timeline", ["r#1", 2]))
+    # What the utilities really return: a timeline (one of each event) and the stats as a dict.
+    tl = RequestTimeline("r#1", 1.0)
+    tl.admitted(1.5, 16, False)
+    tl.prefill_chunk(1.5, 16, 8)
+    tl.token(2.0, 1, 1)
+    tl.preempted(2.5, 3)
+    tl.admitted(3.0, 16, True)
+    tl.token(3.5, 4, 1)
+    running = tl.to_dict()  # an open decode run: None fields
+    tl.finished(4.0, "length", 5)
+    result = _all_fields_set(UtilityResult(3, result=[tl.to_dict(), running], error="none"))
+    stats_result = UtilityResult(4, result=msgspec.structs.asdict(stats))
+    outputs = _all_fields_set(EngineCoreOutputs(
+        outputs=[out, EngineCoreOutput("r#2", [])], stats=stats, utility=result, ready=ready,
+        rejected={"r#3": "too long"}, failed="boom", timestamp=3.25, iteration_tokens=[7, 1, 1],
+    ))
+    for msg in (req, out, stats, ready, call, result, stats_result, outputs):
+        assert decoder(type(msg)).decode(encode(msg)) == msg, type(msg).__name__
+    # Defaults are omitted on the wire and come back as defaults.
+    bare = EngineCoreRequest("b", [1], SamplingParams())
+    assert decoder(EngineCoreRequest).decode(encode(bare)) == bare
+    assert decoder(EngineCoreOutputs).decode(encode(EngineCoreOutputs())) == EngineCoreOutputs()
+    # ABORT and FINISH carry a list of core request ids.
+    ids = ["r#1", "r#2", "x"]
+    assert decoder(list[str]).decode(encode(ids)) == ids
+
+
 def test_bad_prompts_rejected_without_disturbing_others(tiny):
     loaded, _ = tiny
     llm = make_engine(loaded, num_gpu_blocks_override=64, max_model_len=64)
@@ -129,6 +210,8 @@ def test_bad_prompts_rejected_without_disturbing_others(tiny):
         llm.generate([[]], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="token ids must be in"):
         llm.generate([[1, 100000]], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, prompt_logprobs=1), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
@@ -160,3 +243,126 @@ def test_kv_cache_dtype_errors(tiny):
         core._kv_cache_dtype()
     core.args = EngineArgs()
     assert core._kv_cache_dtype() == torch.float32
+
+
+GREEDY8 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _generate(llm, prompts):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY8, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outs]
+
+
+def test_c1_fully_cached_prompts_still_compute_and_sample(tiny):
+    loaded, hf = tiny
+    llm = make_engine(loaded, num_gpu_blocks_override=64, block_size=16)
+    p32 = list(range(100, 132))  # exactly two blocks
+    p33 = p32 + [7]
+    ref32, ref33 = hf_greedy(hf, p32, 8), hf_greedy(hf, p33, 8)
+    assert _generate(llm, [p32]) == [(ref32, 0)]
+    # Fully cached, a multiple of the block size: the last block is recomputed (16 cached, not 32).
+    assert _generate(llm, [p32]) == [(ref32, 16)]
+    # Fully cached but for its last token: one token is computed on top of 32 cached ones.
+    assert _generate(llm, [p33]) == [(ref33, 32)]
+    assert llm.engine.core.stats().prefix_cache_hits == 48
+    assert llm.engine.core.kv_manager.usage == 0.0
+
+
+def test_c2_same_step_shared_prefix_end_to_end(tiny):
+    loaded, hf = tiny
+    llm = make_engine(loaded, num_gpu_blocks_override=64, block_size=16)
+    shared = list(range(200, 232))
+    prompts = [shared + [5], shared + [6, 7], shared[:16] + [8] * 20]
+    refs = [hf_greedy(hf, p, 8) for p in prompts]
+    # Admitted in one step: no request may use blocks the others are still computing.
+    assert _generate(llm, prompts) == [(r, 0) for r in refs]
+    # Once computed, they serve later requests: both shared blocks, or only the first.
+    later = [shared + [9], shared[:16] + [1] * 17]
+    assert _generate(llm, later) == [(hf_greedy(hf, later[0], 8), 32), (hf_greedy(hf, later[1], 8), 16)]
+    assert llm.engine.core.kv_manager.usage == 0.0
+
+
+def test_b9_cache_salt_keeps_prefix_cache_entries_apart(tiny):
+    loaded, hf = tiny
+    core = make_engine(loaded, num_gpu_blocks_override=64, block_size=16).engine.core
+    prompt = list(range(300, 340))
+    ref = hf_greedy(hf, prompt, 8)
+
+    def run(rid, salt):
+        core.add_request(EngineCoreRequest(rid, prompt, GREEDY8, cache_salt=salt))
+        tokens, cached = [], []
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens += out.new_token_ids
+                cached.append(out.num_cached_tokens)
+        return tokens, cached[0]
+
+    assert run("a1", "a") == (ref, 0)
+    assert run("b1", "b") == (ref, 0)  # another salt: no hit
+    assert run("n1", None) == (ref, 0)  # no salt is a salt of its own
+    assert run("a2", "a") == (ref, 32)
+    assert run("b2", "b") == (ref, 32)
+    assert run("n2", None) == (ref, 32)
+    assert core.kv_manager.usage == 0.0
+
+
+def test_c3_preemption_keeps_seeded_and_greedy_outputs(tiny):
+    loaded, hf = tiny
+    prompts = [[i * 7 + j for j in range(20)] for i in range(1, 5)]
+    seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=30, ignore_eos=True) for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def run(num_blocks, params):
+        llm = make_engine(loaded, num_gpu_blocks_override=num_blocks, block_size=16)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        core = llm.engine.core
+        assert core.kv_manager.usage == 0.0
+        return [o.outputs[0].token_ids for o in outs], core.stats().num_preemptions
+
+    # 4 requests of up to 50 tokens need 16 blocks of 16; 8 usable blocks force preemptions.
+    roomy, tight = run(64, seeded), run(9, seeded)
+    assert (roomy[1], tight[1] > 0) == (0, True)
+    assert tight[0] == roomy[0]  # a resumed request draws what it would have drawn
+    tokens, preemptions = run(9, greedy)
+    assert preemptions > 0 and tokens == [hf_greedy(hf, p, 30) for p in prompts]
+
+
+def test_a10_engine_leaves_nothing_behind_with_n_aborts_and_preemption(tiny):
+    loaded, _ = tiny
+    rng = random.Random(0)
+    llm = make_engine(loaded, num_gpu_blocks_override=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                      max_model_len=64)
+    eng, core = llm.engine, llm.engine.core
+    live, finished, aborted = set(), set(), set()
+    n_added = 0
+    for _ in range(400):
+        if n_added < 30 and rng.random() < 0.5:
+            rid = f"q{n_added}"
+            n_added += 1
+            prompt = [1, 2, 3, 4, 5, 6, 7, 8][: rng.randint(0, 8)] + [rng.randint(10, 400) for _ in range(rng.randint(1, 12))]
+            params = SamplingParams(n=rng.choice([1, 2, 3]), temperature=1.0, seed=rng.randint(0, 9),
+                                    max_tokens=rng.randint(1, 12), ignore_eos=True)
+            eng.add_request({"prompt_token_ids": prompt}, params, request_id=rid)
+            live.add(rid)
+        if live and rng.random() < 0.15:
+            rid = rng.choice(sorted(live))
+            eng.abort_request(rid)
+            live.discard(rid)
+            aborted.add(rid)
+        for out in eng.step():
+            if out.finished:
+                assert out.request_id not in finished | aborted  # answered once, never after an abort
+                finished.add(out.request_id)
+                live.discard(out.request_id)
+        check_kv_invariants(core.kv_manager)
+        if n_added == 30 and not eng.has_unfinished_requests():
+            break
+    assert n_added == 30 and not eng.has_unfinished_requests()
+    assert finished | aborted == {f"q{i}" for i in range(30)} and len(aborted) >= 3
+    assert core.stats().num_preemptions > 0
+    sched = core.scheduler
+    assert sched.requests == {} and sched.running == [] and len(sched.waiting) == 0 and not core._deferred
+    assert core.kv_manager.usage == 0.0 and all(b.ref_cnt == 0 for b in core.kv_manager.block_pool.blocks)
+    assert not eng.processor.has_unfinished()
+    assert core.runner.block_tables.row_of == {} and core.runner.generators == {}
+    assert core.timelines.live == {}

@@ -271,3 +271,27 @@ def test_sha256_hasher_chains_and_separates_extra_keys():
     admit(kv, make_request("a", list(range(9))))
     blocks, num_hit = kv.get_computed_blocks(make_request("b", list(range(9))))
     assert [blk.block_id for blk in blocks] == [1, 2] and num_hit == 8
+
+
+def test_b10_a_chunked_prefill_is_counted_once():
+    kv = KVCacheManager(num_blocks=20, block_size=BS)
+    r1 = make_request("r1", list(range(10)))
+    # Three chunks (4, 4, 2): the first allocation queries all 10 tokens, the later ones count nothing.
+    assert admit(kv, r1, 4) == [1]
+    s = kv.prefix_cache_stats
+    assert (s.requests, s.queries, s.hits) == (1, 10, 0)
+    assert kv.allocate_slots(r1, 4) == [2]
+    compute(kv, r1, 4)
+    assert kv.allocate_slots(r1, 2) == [3]
+    compute(kv, r1, 2)
+    assert (s.requests, s.queries, s.hits) == (1, 10, 0)
+    # A second request hits both full blocks of the first: 8 of its 10 tokens.
+    r2 = make_request("r2", list(range(10)))
+    assert admit(kv, r2, 1) == [4]
+    assert kv.get_block_ids("r2") == [1, 2, 4]
+    assert (s.requests, s.queries, s.hits) == (2, 20, 8)
+    # A failed allocation counts nothing either.
+    r3 = make_request("r3", list(range(10)))
+    blocks, _ = kv.get_computed_blocks(r3)
+    assert kv.allocate_slots(r3, 100, blocks) is None
+    assert (s.requests, s.queries, s.hits) == (2, 20, 8)

@@ -219,3 +219,25 @@ def test_stats():
     # a holds [1, 2, 3]; b, admitted in the same step, could not hit a: [4, 5, 6]; c hit [1, 2] + [7].
     assert kv.get_block_ids("c") == [1, 2, 7]
     assert s.kv_usage == 7 / 10
+
+
+def test_a4_a_head_without_kv_room_blocks_the_queue():
+    sched, kv = make_scheduler(num_blocks=6)  # 5 usable blocks of 4
+    a = make_request("a", 11, max_tokens=2)
+    sched.add_request(a)
+    out, _ = step(sched)
+    assert kv.get_block_ids("a") == [1, 2, 3]
+    b = make_request("b", 9, max_tokens=2)  # needs 3 blocks
+    c = make_request("c", 3, max_tokens=2)  # needs 1 block
+    sched.add_request(b)
+    sched.add_request(c)
+    out = sched.schedule()
+    # 2 blocks are free: b does not fit, and c, which would, must not overtake it.
+    assert split(out) == [("a", 1)] and kv.num_free_blocks == 2
+    sched.update(out, {"a": [7]})
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    assert b.status is RequestStatus.WAITING and c.status is RequestStatus.WAITING
+    assert a.is_finished()
+    out, _ = step(sched)
+    assert split(out) == [("b", 9), ("c", 3)]
+    assert [s.block_ids for s in out.scheduled] == [[4, 5, 3], [2]]

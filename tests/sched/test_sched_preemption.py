@@ -98,7 +98,7 @@ def test_a6_priority_victim_already_scheduled_in_the_step_is_taken_back():
     check_kv_invariants(kv)
 
 
-def test_a6_a_request_that_is_its_own_victim_is_not_scheduled():
+def test_a6_a_request_preempted_for_a_higher_priority_one_is_not_scheduled_that_step():
     sched, kv = make_scheduler(num_blocks=5, policy="priority")
     x = make_request("x", 8, max_tokens=4, priority=5, arrival=1.0)
     z = make_request("z", 8, max_tokens=4, priority=0, arrival=2.0)
@@ -170,4 +170,100 @@ def test_c3_resume_with_a_partial_hit_is_chunked_from_the_hit():
     s3 = out.scheduled[1]
     assert (s3.num_computed_tokens, s3.num_new_tokens, s3.block_ids, s3.samples) == (7, 2, [3, 7, 4], True)
     assert s3.is_new is False and r3.num_output_tokens == 3
+    check_kv_invariants(kv)
+
+
+def _two_victims_setup():
+    """r1's second prefill chunk needs 2 blocks with none free: r3, then r2, are preempted."""
+    sched, kv = make_scheduler(num_blocks=6, long_prefill_token_threshold=12)  # 5 usable blocks
+    r1 = make_request("r1", 19, max_tokens=1)
+    r2 = make_request("r2", 3, max_tokens=5)
+    r3 = make_request("r3", 3, max_tokens=5)
+    for r in (r1, r2, r3):
+        sched.add_request(r)
+    out, _ = step(sched, token=11)
+    assert split(out) == [("r1", 12), ("r2", 3), ("r3", 3)]
+    assert [s.block_ids for s in out.scheduled] == [[1, 2, 3], [4], [5]]
+    assert kv.num_free_blocks == 0
+    out, _ = step(sched, token=12)
+    return sched, kv, out, (r1, r2, r3)
+
+
+def test_a6_fcfs_two_victims_in_one_step_in_admission_order():
+    sched, kv, out, (r1, r2, r3) = _two_victims_setup()
+    # Victims are taken from the back (r3, then r2) until r1's chunk of 7 fits.
+    assert out.preempted_request_ids == ["r3", "r2"]
+    assert split(out) == [("r1", 7)] and out.scheduled[0].new_block_ids == [5, 4]
+    assert out.num_scheduled_tokens == {"r1": 7} and out.total_num_scheduled_tokens == 7
+    # Both go back to the front, in their admission order.
+    assert [r.request_id for r in sched.waiting] == ["r2", "r3"]
+    for r in (r2, r3):
+        assert (r.status, r.num_computed_tokens, r.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
+        assert r.output_token_ids == [11] and r.num_tokens == 4
+    assert r1.is_finished() and r1.output_token_ids == [12]
+    # r1 freed tail first: its partial block 4, then 5, 3, 2, 1 (1 is evicted last).
+    assert [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()] == [4, 5, 3, 2, 1]
+    assert sched.stats().num_preemptions == 2
+    check_kv_invariants(kv)
+
+    out, _ = step(sched, token=13)
+    assert split(out) == [("r2", 4), ("r3", 4)]  # 3 prompt + 1 generated each, nothing cached
+    assert [(s.num_computed_tokens, s.block_ids, s.is_new) for s in out.scheduled] == [
+        (0, [4], True),
+        (0, [5], True),
+    ]
+    assert r2.output_token_ids == r3.output_token_ids == [11, 13]
+    check_kv_invariants(kv)
+
+
+def test_a1_abort_of_a_preempted_request_leaves_every_queue():
+    sched, kv, out, (r1, r2, r3) = _two_victims_setup()
+    assert out.preempted_request_ids == ["r3", "r2"]
+    assert (sched.num_running, sched.num_waiting, sched.get_num_unfinished_requests()) == (0, 2, 2)
+    free_before = [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+    sched.abort_requests("r3")
+    assert (r3.status, r3.finish_reason) == (RequestStatus.FINISHED_ABORTED, "abort")
+    assert [r.request_id for r in sched.waiting] == ["r2"] and set(sched.requests) == {"r2"}
+    assert (sched.num_running, sched.num_waiting, sched.get_num_unfinished_requests()) == (0, 1, 1)
+    # It held no blocks while preempted: aborting it frees nothing.
+    assert [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()] == free_before
+    out, _ = step(sched, token=13)
+    assert split(out) == [("r2", 4)] and out.finished_request_ids == ["r1", "r3"]
+    assert r3.output_token_ids == [11]
+    check_kv_invariants(kv)
+
+
+def test_a6_priority_self_victim_and_requeue_position():
+    sched, kv = make_scheduler(num_blocks=5, policy="priority")  # 4 usable blocks
+    x = make_request("x", 7, max_tokens=4, priority=5, arrival=1.0)
+    z = make_request("z", 7, max_tokens=4, priority=0, arrival=2.0)
+    sched.add_request(x)
+    step(sched)
+    sched.add_request(z)
+    out, _ = step(sched)
+    assert split(out) == [("x", 1), ("z", 7)]
+    assert (kv.get_block_ids("x"), kv.get_block_ids("z"), kv.num_free_blocks) == ([1, 2], [3, 4], 0)
+    w = make_request("w", 3, max_tokens=4, priority=5, arrival=10.0)
+    v = make_request("v", 3, max_tokens=4, priority=1, arrival=11.0)
+    sched.add_request(w)
+    sched.add_request(v)
+
+    out, _ = step(sched)
+    # x (running[0]) needs a block for position 8; it is the lowest priority itself, so it is the
+    # victim, although it is not the last admitted. z (position 7, inside its block) still runs.
+    assert out.preempted_request_ids == ["x"]
+    assert split(out) == [("z", 1)] and out.scheduled[0].new_block_ids == []
+    assert [r.request_id for r in sched.running] == ["z"]
+    # Back under its own key: behind the more urgent v, ahead of w (same priority, later arrival).
+    # v would fit in x's freed blocks but is not admitted in a step that preempted.
+    assert [r.request_id for r in sched.waiting] == ["v", "x", "w"]
+    assert [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()] == [2, 1]
+    check_kv_invariants(kv)
+
+    sched.abort_requests("x")  # a preempted request leaves the priority queue too
+    assert [r.request_id for r in sched.waiting] == ["v", "w"]
+    out, _ = step(sched)
+    assert split(out) == [("z", 1), ("v", 3)]
+    assert [(s.block_ids, s.new_block_ids) for s in out.scheduled] == [([3, 4, 2], [2]), ([1], [1])]
+    assert out.finished_request_ids == ["x"]
     check_kv_invariants(kv)
