@@ -25,6 +25,7 @@ import logging
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -171,6 +172,10 @@ class AsyncLLM:
         self._dead = asyncio.Event()
         self._output_task: asyncio.Task | None = None
         self._closing = False
+        # Tokenizing a long prompt or rendering a long chat takes seconds: done here, off the event
+        # loop, so that other requests' streams keep flowing (the Rust tokenizer releases the GIL).
+        # One thread: the tokenizer is used by one encode at a time, as on the event loop before.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenize")
 
     @classmethod
     async def create(cls, args: EngineArgs, **kwargs) -> "AsyncLLM":
@@ -299,6 +304,7 @@ class AsyncLLM:
         if self._loop is not None and getattr(self, "_sentinel_in_loop", False) and self.client.proc is not None:
             self._loop.remove_reader(self.client.sentinel)
         await asyncio.to_thread(self.client.shutdown)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         self.ready = False
 
     # -- the core's outputs ----------------------------------------------------------------------
@@ -380,6 +386,17 @@ class AsyncLLM:
     # -- text ------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return tokenize_prompt(self.tokenizer, text, add_special_tokens)[1]
+
+    async def tokenize_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """tokenize() on the tokenizer thread: the event loop serves other requests meanwhile."""
+        return await self._off_loop(self.tokenize, text, add_special_tokens)
+
+    async def apply_chat_template_async(self, messages: list[dict], **kwargs: Any) -> list[int]:
+        """apply_chat_template() on the tokenizer thread (same arguments, same errors)."""
+        return await self._off_loop(functools.partial(self.apply_chat_template, messages, **kwargs))
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.tokenizer is None:

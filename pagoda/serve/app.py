@@ -268,7 +268,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     engine = state.engine
     try:
         if body.messages is not None:
-            ids = engine.apply_chat_template(
+            ids = await engine.apply_chat_template_async(
                 [m.to_template_dict() for m in body.messages],
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
@@ -276,7 +276,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
             )
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = engine.tokenize(body.prompt, add_special_tokens=add_special)
+            ids = await engine.tokenize_async(body.prompt, add_special_tokens=add_special)
     except ChatTemplateArgumentError as exc:
         raise bad_request(str(exc), param="chat_template_kwargs") from None
     except ValueError as exc:

@@ -240,7 +240,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     for p in body.prompts():
         if isinstance(p, str):
             try:
-                prompts.append((p, engine.tokenize(p, add_special_tokens=body.add_special_tokens)))
+                prompts.append((p, await engine.tokenize_async(p, add_special_tokens=body.add_special_tokens)))
             except ValueError as exc:
                 raise bad_request(str(exc), param="prompt") from None
         else:
@@ -397,7 +397,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = _sampling_params(body)
     try:
         messages = [m.to_template_dict() for m in body.messages]
-        ids = engine.apply_chat_template(
+        ids = await engine.apply_chat_template_async(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,

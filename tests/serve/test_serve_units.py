@@ -261,6 +261,38 @@ def test_request_that_cannot_be_sent_leaves_nothing_in_flight(tmp_path):
     assert engine.num_inflight_requests() == 0 and engine.num_unfinished_sequences() == 0
 
 
+def test_tokenization_runs_off_the_event_loop(tmp_path):
+    """A long prompt takes seconds to tokenize: it must not stall the event loop, which streams every
+    other request's tokens. The stand-in tokenizer blocks until the loop itself releases it, which
+    it can only do if the encode runs elsewhere (inline, the encode would time out and return [])."""
+    import threading
+
+    from pagoda.config import EngineArgs
+    from pagoda.engine.async_llm import AsyncLLM
+
+    (tmp_path / "config.json").write_text("{}")
+    engine = AsyncLLM(EngineArgs.from_kwargs(model=str(tmp_path)), tokenizer=None)
+    shutil.rmtree(engine.client._tmpdir, ignore_errors=True)  # the real client is never started
+    started, release = threading.Event(), threading.Event()
+    threads = []
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        threads.append(threading.get_ident())
+        started.set()
+        return [len(text), int(add_special_tokens)] if release.wait(10) else []
+
+    engine.tokenizer = SimpleNamespace(encode=encode)
+
+    async def main() -> list[int]:
+        task = asyncio.create_task(engine.tokenize_async("abc", add_special_tokens=False))
+        await asyncio.to_thread(started.wait, 10)
+        release.set()  # the loop runs this while the encode is still blocked
+        return await task
+
+    assert asyncio.run(main()) == [3, 0]
+    assert threads and threads[0] != threading.get_ident()
+
+
 def test_merge_delta_concatenates():
     from pagoda.engine.async_llm import merge_delta
 
