@@ -661,7 +661,9 @@ class RequestStream:
         if self.closed:
             return
         self.closed = True
-        self.engine._forget(self.request_id, self._child_ids, abort=not self.finished)
+        # A request whose final output has arrived has ended in the core, even if its consumer goes
+        # away before reading that output: nothing to abort, and it must not count as aborted too.
+        self.engine._forget(self.request_id, self._child_ids, abort=not (self.finished or self._state.finished))
 
     async def aclose(self) -> None:
         self.close()

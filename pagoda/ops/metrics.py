@@ -21,6 +21,7 @@ from pagoda.ops.request_events import FinishedRequest
 
 PREFIX = "pagoda:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort")
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -96,10 +97,15 @@ class ServerMetrics:
             PREFIX + "request_success", "Requests ended, by finish reason (stop, length, abort).",
             ["model_name", "finished_reason"], registry=reg,
         )
+        # Every reason's series exists from the start (at 0, as vLLM does), so that the first
+        # request to end with a reason shows in rate()/increase() instead of creating the series.
+        for reason in FINISH_REASONS:
+            self._success.labels(model_name, reason)
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive outputs of a request.", _ITL_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive outputs of a sequence.", _ITL_BUCKETS)
         self.tpot = hist(
-            "request_time_per_output_token_seconds", "Per request: decode time / (output tokens - 1).", _ITL_BUCKETS
+            "request_time_per_output_token_seconds", "Per request: decode time / (output tokens - 1), per sequence.",
+            _ITL_BUCKETS,
         )
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last output.", _REQUEST_TIME_BUCKETS)
         self.queue = hist("request_queue_time_seconds", "Time from entering the engine to first scheduled.",
@@ -150,8 +156,9 @@ class ServerMetrics:
             self.prefill.observe(r.prefill_time)
         if r.decode_time is not None:
             self.decode.observe(r.decode_time)
-            if r.num_generation_tokens > 1:
-                self.tpot.observe(r.decode_time / (r.num_generation_tokens - 1))
+        tpot = r.time_per_output_token
+        if tpot is not None:
+            self.tpot.observe(tpot)
         if r.inference_time is not None:
             self.inference.observe(r.inference_time)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.messages import EngineCoreOutputs
@@ -33,6 +33,10 @@ class FinishedRequest:
     scheduled_time: float | None  # core clock: first admitted
     first_token_time: float | None
     last_token_time: float | None
+    # Per sequence (n > 1 has several): the sum of (last token - first token) times, and of
+    # (tokens - 1). None: derive them from the request's decode time and token count (n = 1).
+    decode_seconds_per_sequence: float | None = None
+    decode_steps_per_sequence: int | None = None
 
     @property
     def e2e_latency(self) -> float:
@@ -61,6 +65,18 @@ class FinishedRequest:
         return self.last_token_time - self.first_token_time
 
     @property
+    def time_per_output_token(self) -> float | None:
+        """Decode time per token after the first, of each sequence (not of all n sequences' tokens
+        together, which would divide one sequence's time by n times its tokens)."""
+        if self.decode_steps_per_sequence is not None and self.decode_seconds_per_sequence is not None:
+            if self.decode_steps_per_sequence <= 0:
+                return None
+            return self.decode_seconds_per_sequence / self.decode_steps_per_sequence
+        if self.decode_time is None or self.num_generation_tokens <= 1:
+            return None
+        return self.decode_time / (self.num_generation_tokens - 1)
+
+    @property
     def inference_time(self) -> float | None:
         if self.scheduled_time is None or self.last_token_time is None:
             return None
@@ -82,6 +98,15 @@ class RequestSink:
 
 
 @dataclass
+class _Seq:
+    """One sequence of a request (n > 1 has several): its first and latest token times and count."""
+
+    first_token_time: float
+    last_token_time: float
+    num_tokens: int
+
+
+@dataclass
 class _Live:
     arrival_time: float
     num_prompt_tokens: int
@@ -89,6 +114,8 @@ class _Live:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    seqs: dict[int, _Seq] = field(default_factory=dict)
+
 
 
 class RequestTracker:
@@ -129,9 +156,20 @@ class RequestTracker:
                 if live.first_token_time is None:
                     live.first_token_time = now
                     self._emit("on_first_token", now - live.arrival_time, live.num_prompt_tokens)
-                    self._emit("on_tokens", n_new, None)
-                else:
-                    self._emit("on_tokens", n_new, now - live.last_token_time)
+                # Inter-token latency is per sequence: with n > 1, the time since this sequence's
+                # previous token (not since a sibling's).
+                for o in res.outputs:
+                    k = len(o.token_ids)
+                    if not k:
+                        continue
+                    seq = live.seqs.get(o.index)
+                    if seq is None:
+                        live.seqs[o.index] = _Seq(now, now, k)
+                        self._emit("on_tokens", k, None)
+                    else:
+                        self._emit("on_tokens", k, now - seq.last_token_time)
+                        seq.last_token_time = now
+                        seq.num_tokens += k
                 live.last_token_time = now
                 live.num_generation_tokens += n_new
             if res.finished:
@@ -153,6 +191,10 @@ class RequestTracker:
                         scheduled_time=m.get("scheduled_time"),
                         first_token_time=live.first_token_time,
                         last_token_time=live.last_token_time,
+                        decode_seconds_per_sequence=sum(
+                            q.last_token_time - q.first_token_time for q in live.seqs.values()
+                        ),
+                        decode_steps_per_sequence=sum(q.num_tokens - 1 for q in live.seqs.values()),
                     ),
                 )
 

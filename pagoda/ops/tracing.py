@@ -9,6 +9,7 @@ recorded, so nothing is done per token.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from pagoda.ops.request_events import FinishedRequest, RequestSink
 
@@ -38,6 +39,13 @@ class RequestTracer(RequestSink):
         else:
             if not endpoint:
                 raise ValueError("an OTLP endpoint or an exporter is needed")
+            url = urlsplit(endpoint)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                # The exporter would take it and fail on every export: traces lost while all looks well.
+                raise ValueError(
+                    f"--otlp-traces-endpoint must be an http:// or https:// URL "
+                    f"(e.g. http://collector:4318/v1/traces), not {endpoint!r}"
+                )
             try:
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             except ImportError:

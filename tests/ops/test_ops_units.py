@@ -223,3 +223,97 @@ def test_tracing_exports_over_otlp_http():
         req = ExportTraceServiceRequest.FromString(body)
         names += [s.name for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
     assert sorted(names) == ["decode", "llm_request", "prefill", "queue"]
+
+
+def test_n_gt_1_latencies_are_per_sequence(monkeypatch):
+    """n = 2, each sequence gets one token a second for 3 s: 1 s per output token and between tokens,
+    whatever the number of sequences (not decode time / all sequences' tokens)."""
+    import pagoda.ops.request_events as request_events
+
+    m = ServerMetrics("tiny", 512, lambda: None)
+    tracker = RequestTracker([m])
+    meta = {"arrival_time": 100.0, "queued_time": 100.0, "scheduled_time": 100.0, "max_tokens": 3}
+    for step in range(3):
+        last = step == 2
+        outs = [CompletionOutput(i, "", [7], finish_reason="length" if last else None) for i in range(2)]
+        monkeypatch.setattr(request_events.time, "time", lambda t=101.0 + step: t)
+        tracker.on_output(EngineCoreOutputs(), [RequestOutput("p", None, [1, 2], outs, last, metrics=meta)])
+    # The second sequence starts a step late (it waited for the first one's prompt).
+    for step, outs in enumerate([[CompletionOutput(0, "", [7]), CompletionOutput(1, "", [])],
+                                 [CompletionOutput(0, "", [7]), CompletionOutput(1, "", [7])],
+                                 [CompletionOutput(0, "", [7], finish_reason="length"), CompletionOutput(1, "", [7])],
+                                 [CompletionOutput(0, "", []), CompletionOutput(1, "", [7], finish_reason="length")]]):
+        monkeypatch.setattr(request_events.time, "time", lambda t=201.0 + step: t)
+        tracker.on_output(EngineCoreOutputs(), [RequestOutput("q", None, [1, 2], outs, step == 3,
+                                                              metrics={**meta, "arrival_time": 200.0})])
+    fams = families(m)
+    assert sample(fams, "pagoda:request_time_per_output_token_seconds", "_count") == 2
+    assert sample(fams, "pagoda:request_time_per_output_token_seconds", "_sum") == pytest.approx(2.0)
+    assert sample(fams, "pagoda:inter_token_latency_seconds", "_count") == 8  # 2 requests x 2 sequences x 2
+    assert sample(fams, "pagoda:inter_token_latency_seconds", "_sum") == pytest.approx(8.0)
+    assert sample(fams, "pagoda:generation_tokens", "_total") == 12
+    assert sample(fams, "pagoda:request_generation_tokens", "_sum") == 12
+
+
+def test_every_finish_reason_series_exists_from_the_start():
+    """rate()/increase() miss a counter's first increment when that creates the series."""
+    fams = families(ServerMetrics("tiny", 512, lambda: None))
+    reasons = {s.labels["finished_reason"]: s.value for s in fams["pagoda:request_success"].samples
+               if s.name == "pagoda:request_success_total"}
+    assert reasons == {"stop": 0.0, "length": 0.0, "abort": 0.0}
+
+
+class _TimelineEngine:
+    """The engine as the timeline endpoint sees it, answering from a real TimelineStore."""
+
+    def __init__(self, ids: list[str]) -> None:
+        from pagoda.engine.timeline import TimelineStore
+
+        self.store = TimelineStore()
+        for i, rid in enumerate(ids):
+            self.store.start(rid, float(i))
+            self.store.end(rid, float(i) + 1, "length", 1)
+        self.is_dead, self.ready = False, True
+        self.args = type("Args", (), {"max_model_len": 64})()
+        self.latest_stats = None
+        self.output_listeners, self.abort_listeners = [], []
+
+    async def call_utility(self, method: str, *args):
+        assert method == "timeline"
+        return self.store.lookup(*args)
+
+
+def test_timeline_lists_only_the_requests_own_sequences():
+    """The core finds a request's parts by prefix; `cmpl` must not list every `cmpl-...` request."""
+    from fastapi.testclient import TestClient
+
+    from pagoda.ops.server_ops import install_ops
+    from pagoda.serve.app import ServerConfig, ServerState, build_app
+
+    batch = [f"cmpl-b-{i}" for i in range(12)]  # a completion with 12 prompts
+    engine = _TimelineEngine(["cmpl-a", "cmpl-a2", "cmpl-n#1", "cmpl-n#0", "cmpl-nx", *batch, "chatcmpl-c"])
+    state = ServerState(ServerConfig(served_model_names=["m"]), engine)
+    app = build_app(state)
+    install_ops(app, state)
+    client = TestClient(app, raise_server_exceptions=False)  # no lifespan: the engine is not started
+
+    def ids(rid: str) -> list[str] | int:
+        r = client.get(f"/v1/requests/{rid}/timeline")
+        return [s["request_id"] for s in r.json()["sequences"]] if r.status_code == 200 else r.status_code
+
+    assert ids("cmpl-a") == ["cmpl-a"]
+    assert ids("cmpl-n") == ["cmpl-n#0", "cmpl-n#1"]
+    assert ids("cmpl-b") == batch  # in prompt order: -2 before -10
+    assert ids("cmpl") == 404
+    assert ids("chatcmpl") == 404
+    assert ids("cmpl-") == 404
+
+
+@pytest.mark.parametrize("endpoint", ["collector:4318/v1/traces", "not-a-url", "ftp://collector/v1/traces", "http://"])
+def test_tracing_refuses_an_endpoint_that_is_not_an_http_url(endpoint):
+    """The exporter would accept it and fail at every export: the server would run, losing every trace."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    from pagoda.ops.tracing import RequestTracer
+
+    with pytest.raises(ValueError, match="must be an http:// or https:// URL"):
+        RequestTracer("tiny", endpoint=endpoint)

@@ -224,19 +224,32 @@ def test_nan_and_infinity_are_400(api, raw, param):
     assert "finite" in err["message"]
 
 
-def test_request_that_cannot_be_sent_leaves_nothing_in_flight(tmp_path):
-    """A request that fails while being sent to the core (here: msgpack cannot encode it) must be
-    forgotten, else it counts as in flight for good: the waiting-queue bound counts it and a drain
-    waits for it until its timeout. Children already sent are aborted in the core."""
+def _stub_engine(tmp_path, send=None):
+    """An AsyncLLM that never starts its core: `send` stands in for the client, as if the core were
+    ready (no tokenizer)."""
     from pagoda.config import EngineArgs
     from pagoda.engine.async_llm import AsyncLLM
-    from pagoda.engine.messages import EngineCoreReady, EngineCoreRequestType
+    from pagoda.engine.messages import EngineCoreReady
     from pagoda.engine.output_processor import OutputProcessor
-    from pagoda.sampling_params import SamplingParams
 
     (tmp_path / "config.json").write_text("{}")  # enough for the engine to accept the folder
     engine = AsyncLLM(EngineArgs.from_kwargs(model=str(tmp_path)), tokenizer=None)
     shutil.rmtree(engine.client._tmpdir, ignore_errors=True)  # the real client is never started
+    engine.client = SimpleNamespace(send=send)
+    engine.info = EngineCoreReady(max_model_len=64, vocab_size=100, num_blocks=10, num_usable_blocks=9,
+                                  block_size=16, model_name="m")
+    engine.processor = OutputProcessor(None)
+    engine.ready = True
+    return engine
+
+
+def test_request_that_cannot_be_sent_leaves_nothing_in_flight(tmp_path):
+    """A request that fails while being sent to the core (here: msgpack cannot encode it) must be
+    forgotten, else it counts as in flight for good: the waiting-queue bound counts it and a drain
+    waits for it until its timeout. Children already sent are aborted in the core."""
+    from pagoda.engine.messages import EngineCoreRequestType
+    from pagoda.sampling_params import SamplingParams
+
     sent: list[bytes] = []
 
     def send(kind: bytes, payload: bytes = b"") -> None:
@@ -244,11 +257,7 @@ def test_request_that_cannot_be_sent_leaves_nothing_in_flight(tmp_path):
             raise RuntimeError("the second child cannot be sent")
         sent.append(kind)
 
-    engine.client = SimpleNamespace(send=send)
-    engine.info = EngineCoreReady(max_model_len=64, vocab_size=100, num_blocks=10, num_usable_blocks=9,
-                                  block_size=16, model_name="m")
-    engine.processor = OutputProcessor(None)
-    engine.ready = True
+    engine = _stub_engine(tmp_path, send)
 
     with pytest.raises(OverflowError):  # nothing sent
         asyncio.run(engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=[2**70]), "r1"))
@@ -261,18 +270,40 @@ def test_request_that_cannot_be_sent_leaves_nothing_in_flight(tmp_path):
     assert engine.num_inflight_requests() == 0 and engine.num_unfinished_sequences() == 0
 
 
+def test_closing_a_stream_after_its_request_finished_aborts_nothing(tmp_path):
+    """A request can finish in the core while its consumer has not read the final output yet (a
+    client that goes away at that moment). Closing its stream then must neither send an abort nor
+    report one: the request ended once, with its real reason, and metrics counted it so."""
+    from pagoda.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType
+    from pagoda.sampling_params import SamplingParams
+
+    sent: list[bytes] = []
+    engine = _stub_engine(tmp_path, lambda kind, payload=b"": sent.append(kind))
+    aborted: list[str] = []
+    engine.abort_listeners.append(aborted.append)
+    params = SamplingParams(max_tokens=2)
+
+    async def main() -> None:
+        done = await engine.add_request([1, 2, 3], params, "done")
+        live = await engine.add_request([1, 2, 3], params, "live")
+        engine._handle_core_message(EngineCoreOutputs(outputs=[
+            EngineCoreOutput("done", [5, 6], finish_reason="length"), EngineCoreOutput("live", [5]),
+        ]))
+        done.close()  # unread final output
+        live.close()  # still running: a real abort
+        assert sent == [EngineCoreRequestType.ADD] * 2 + [EngineCoreRequestType.ABORT]
+        assert aborted == ["live"] and engine.num_inflight_requests() == 0
+
+    asyncio.run(main())
+
+
 def test_tokenization_runs_off_the_event_loop(tmp_path):
     """A long prompt takes seconds to tokenize: it must not stall the event loop, which streams every
     other request's tokens. The stand-in tokenizer blocks until the loop itself releases it, which
     it can only do if the encode runs elsewhere (inline, the encode would time out and return [])."""
     import threading
 
-    from pagoda.config import EngineArgs
-    from pagoda.engine.async_llm import AsyncLLM
-
-    (tmp_path / "config.json").write_text("{}")
-    engine = AsyncLLM(EngineArgs.from_kwargs(model=str(tmp_path)), tokenizer=None)
-    shutil.rmtree(engine.client._tmpdir, ignore_errors=True)  # the real client is never started
+    engine = _stub_engine(tmp_path)
     started, release = threading.Event(), threading.Event()
     threads = []
 
