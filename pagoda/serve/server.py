@@ -4,7 +4,8 @@ supervisor restarts it). A watchdog makes sure a dead-engine exit happens even i
 refuses to close.
 
 SIGTERM drains (`ServerState.graceful_stop`): new requests get 503, in-flight ones finish (up to
-the drain timeout), then the process exits 0. SIGINT, or a second SIGTERM, stops at once."""
+the drain timeout), then the process exits 0. SIGINT, or a second SIGTERM, stops at once:
+requests in flight are aborted, each with its error response."""
 
 from __future__ import annotations
 
@@ -66,7 +67,19 @@ class _DrainingServer(uvicorn.Server):
             self._draining = True
             self._loop.call_soon_threadsafe(self.state.graceful_stop, self.drain_timeout)
             return
+        if self._loop is not None:
+            # Stopping at once: end the requests in flight first, so that each gets its error response
+            # (503, or an error event then [DONE]) rather than being cancelled by uvicorn's shutdown,
+            # which answers a plain-text 500 and logs a traceback after waiting for them.
+            self._loop.call_soon_threadsafe(self._abort_inflight)
         super().handle_exit(sig, frame)
+
+    def _abort_inflight(self) -> None:
+        engine = self.state.engine
+        left = engine.num_inflight_requests()
+        if left:
+            logger.warning("stopping at once: aborting %d request(s) in flight", left)
+            engine.abort_all()
 
 
 def run_server(

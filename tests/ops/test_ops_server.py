@@ -245,3 +245,52 @@ def test_sigterm_drains_inflight_streams_then_exits_0(tiny_folder):
         assert "drained" in srv.log_tail()
     finally:
         srv.stop()
+
+
+def test_second_sigterm_stops_at_once_and_answers_every_request(tiny_folder):
+    """A second SIGTERM during a drain stops at once: requests in flight are aborted with their
+    error responses (503 in OpenAI's shape, or an error event then [DONE] on a stream), not
+    cancelled by uvicorn's shutdown into a plain-text 500 and a logged traceback."""
+    srv = ServerProcess([str(tiny_folder), "--dtype", "float32", "--max-model-len", "2048",
+                         "--num-gpu-blocks-override", "400", "--drain-timeout", "600"]).start()
+    try:
+        srv.wait_ready()
+        body = {"prompt": [7] * 10, "max_tokens": 1500, "ignore_eos": True}
+        answers: dict[str, tuple[int, str]] = {}
+        streamed = threading.Event()
+
+        def whole(name: str) -> None:
+            r = httpx.post(f"{srv.base_url}/completions", json=body, timeout=600)
+            answers[name] = (r.status_code, r.text)
+
+        def stream() -> None:
+            lines = []
+            with httpx.stream("POST", f"{srv.base_url}/completions", json={**body, "stream": True}, timeout=600) as r:
+                for line in r.iter_lines():
+                    streamed.set()
+                    if line:
+                        lines.append(line)
+            answers["stream"] = (r.status_code, "\n".join(lines))
+
+        threads = [threading.Thread(target=whole, args=(f"whole{i}",)) for i in range(2)]
+        threads.append(threading.Thread(target=stream))
+        for t in threads:
+            t.start()
+        assert streamed.wait(120)
+        wait_for(lambda: httpx.get(f"{srv.url}/load").json()["server_load"] == 3, 60, what="3 requests in flight")
+        srv.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(f"{srv.url}/ready").status_code == 503, 10, what="/ready 503 while draining")
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert srv.wait_exit(60) == 0, srv.log_tail()
+        for name in ("whole0", "whole1"):
+            status, text = answers[name]
+            assert status == 503 and json.loads(text)["error"]["code"] == "aborted", (name, status, text)
+        status, text = answers["stream"]
+        assert status == 200 and '"error"' in text and text.endswith("data: [DONE]"), text[-500:]
+        log = srv.log_tail()
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+        assert "aborting 3 request(s)" in log
+    finally:
+        srv.stop()
