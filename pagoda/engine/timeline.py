@@ -9,6 +9,8 @@ of finished requests are kept in a bounded most-recent-first store.
 
 from __future__ import annotations
 
+import re
+
 from collections import OrderedDict
 from typing import Any
 
@@ -112,6 +114,12 @@ class TimelineStore:
         tl = self.get(request_id)
         if tl is not None:
             return [tl.to_dict()]
-        parts = (request_id + "#", request_id + "-")
-        found = [t for store in (self.live, self.finished) for rid, t in store.items() if rid.startswith(parts)]
-        return [t.to_dict() for t in sorted(found, key=lambda t: t.request_id)]
+        # Exactly `id-P`, `id#S` or `id-P#S`: a prefix match would make `cmpl` every `cmpl-...` request.
+        part = re.compile(re.escape(request_id) + r"(?:-(\d+))?(?:#(\d+))?")
+        found = []
+        for store in (self.live, self.finished):
+            for rid, t in store.items():
+                m = part.fullmatch(rid) if rid.startswith(request_id) else None
+                if m is not None and (m.group(1) or m.group(2)):
+                    found.append(((int(m.group(1) or -1), int(m.group(2) or -1)), t))
+        return [t.to_dict() for _, t in sorted(found, key=lambda kv: kv[0])]  # prompt 2 before prompt 10

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
@@ -115,26 +114,12 @@ async def timeline(request_id: str, request: Request) -> dict:
         sequences = await engine.call_utility("timeline", request_id)
     except Exception as exc:
         raise unavailable(f"cannot reach the engine core: {exc}") from None
-    sequences = _parts_of(request_id, sequences or [])
     if not sequences:
         raise APIError(
             404, f"no timeline for request `{request_id}` (unknown, or finished too long ago)",
             type="invalid_request_error", param="request_id", code="request_not_found",
         )
     return {"object": "request.timeline", "request_id": request_id, "sequences": sequences}
-
-
-def _parts_of(request_id: str, sequences: list[dict]) -> list[dict]:
-    """The timelines that belong to `request_id`: its own, or its parts (`id-P` for the prompts of a
-    batched completion, `id#S` for the n > 1 sequences, `id-P#S` for both), in prompt then sequence
-    order. The core matches parts by prefix, so without this `cmpl` would list every request."""
-    part = re.compile(re.escape(request_id) + r"(?:-(\d+))?(?:#(\d+))?")
-    keyed = []
-    for seq in sequences:
-        m = part.fullmatch(str(seq.get("request_id", "")))
-        if m is not None:
-            keyed.append(((int(m.group(1) or -1), int(m.group(2) or -1)), seq))
-    return [seq for _, seq in sorted(keyed, key=lambda kv: kv[0])]
 
 
 def install_ops(app: FastAPI, state: ServerState, config: OpsConfig | None = None) -> Ops:

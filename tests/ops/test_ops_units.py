@@ -284,7 +284,7 @@ class _TimelineEngine:
 
 
 def test_timeline_lists_only_the_requests_own_sequences():
-    """The core finds a request's parts by prefix; `cmpl` must not list every `cmpl-...` request."""
+    """A request's parts are `id-P`, `id#S` and `id-P#S` exactly: `cmpl` must not list every `cmpl-...` request."""
     from fastapi.testclient import TestClient
 
     from pagoda.ops.server_ops import install_ops
