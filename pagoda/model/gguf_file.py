@@ -35,12 +35,24 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
+# GGUF tensors that are not parameters: rope_freqs becomes the config's rope_freq_factors.
+_DERIVED = ("rope_freqs.weight",)
+
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 
-@lru_cache(maxsize=2)
 def open_gguf(path: Path):
-    """Parse a GGUF file once per process (parsing the tokenizer's arrays takes seconds)."""
+    """Parse a GGUF file once per process (parsing the tokenizer's arrays takes seconds); a file
+    replaced or rewritten since is parsed again."""
+    try:
+        st = Path(path).stat()
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read ({exc})") from None
+    return _open_gguf(Path(path), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+
+
+@lru_cache(maxsize=2)
+def _open_gguf(path: Path, signature: tuple):
     import gguf
 
     try:
@@ -56,6 +68,41 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
+def _number(reader, path: Path, key: str, kind, default=None):
+    """A numeric metadata value; ModelLoadError naming the key when it is required and absent, or not
+    a number."""
+    value = _field(reader, key, default)
+    if value is None:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks {key!r}")
+    if isinstance(value, (str, bytes, list)):
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} is {value!r}, not a number")
+    return kind(value)
+
+
+def _rope_parameters(reader, path: Path, arch: str, theta: float) -> dict:
+    """Rotary scaling from the GGUF: rope.scaling.* keys (linear), as transformers would spell it."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _number(reader, path, f"{arch}.rope.scaling.factor", float),
+                "rope_theta": theta}
+    raise ModelLoadError(f"{path}: GGUF rope scaling type {kind!r} is not supported (supported: none, linear)")
+
+
+def _rope_freq_factors(reader, path: Path) -> list[float] | None:
+    """The per-frequency divisors of a `rope_freqs` tensor (how llama.cpp stores Llama 3.1 scaling)."""
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None
+    if tensor.tensor_type.name != "F32":
+        raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' has GGUF type {tensor.tensor_type.name}, expected F32")
+    factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' holds values that are not positive finite numbers")
+    return [float(x) for x in factors]
+
+
 def gguf_config(reader, path: Path):
     """Build the transformers config that the GGUF metadata describes."""
     import transformers
@@ -66,29 +113,49 @@ def gguf_config(reader, path: Path):
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCHS))}"
         )
     config_cls, hf_arch = _ARCHS[arch]
+    if _field(reader, f"{arch}.expert_count"):
+        raise ModelLoadError(f"{path}: mixture-of-experts GGUF models are not supported")
     names = {t.name for t in reader.tensors}
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = _number(reader, path, f"{arch}.attention.head_count", int)
+    hidden = _number(reader, path, f"{arch}.embedding_length", int)
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    if not vocab:
+        raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
+    theta = _number(reader, path, f"{arch}.rope.freq_base", float, 10000.0)
     kwargs = dict(
         architectures=[hf_arch],
-        vocab_size=int(vocab),
+        vocab_size=_number(reader, path, f"{arch}.vocab_size", int, vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=_number(reader, path, f"{arch}.feed_forward_length", int),
+        num_hidden_layers=_number(reader, path, f"{arch}.block_count", int),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        num_key_value_heads=_number(reader, path, f"{arch}.attention.head_count_kv", int, heads),
+        rms_norm_eps=_number(reader, path, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-6),
+        max_position_embeddings=_number(reader, path, f"{arch}.context_length", int, 2048),
+        rope_theta=theta,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
     )
+    rope = _rope_parameters(reader, path, arch, theta)
+    if rope["rope_type"] != "default":
+        kwargs["rope_parameters"] = rope
     key_len = _field(reader, f"{arch}.attention.key_length")
     if key_len is not None:
-        kwargs["head_dim"] = int(key_len)
-    config = getattr(transformers, config_cls)(**kwargs)
+        kwargs["head_dim"] = _number(reader, path, f"{arch}.attention.key_length", int)
+    factors = _rope_freq_factors(reader, path)
+    if factors is not None:
+        kwargs["rope_freq_factors"] = factors
+    try:
+        config = getattr(transformers, config_cls)(**kwargs)
+    except Exception as exc:  # transformers' validation of the values (e.g. heads that do not divide)
+        raise ModelLoadError(f"{path}: GGUF metadata does not make a valid {hf_arch} config ({exc})") from None
+    head_dim = getattr(config, "head_dim", None) or hidden // max(heads, 1)
+    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and _number(reader, path, f"{arch}.rope.dimension_count", int) != head_dim:
+        raise ModelLoadError(
+            f"{path}: rotary embedding over {rope_dims} of {head_dim} head dimensions is not supported"
+        )
     if getattr(config, "sliding_window", None) is not None:
         config.sliding_window = None  # GGUF says nothing of it; llama.cpp attends over everything too
     return config
@@ -119,7 +186,9 @@ def gguf_tensors(reader, path: Path, config, dtype: torch.dtype) -> Iterator[tup
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
-            continue  # e.g. rope_freqs: recomputed from the config
+            if t.name in _DERIVED or re.fullmatch(r"blk\.\d+\.attn_rot_embd(\.weight)?", t.name):
+                continue  # read into the config (rope_freqs), or recomputed from it
+            raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {arch} model")
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
             raise ModelLoadError(

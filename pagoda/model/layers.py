@@ -58,6 +58,12 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
     # meta tensors runs Python reference kernels whose first use imports torch._dynamo (~1.5 s).
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
+    factors = rope.get("freq_factors")
+    if factors is not None:  # per-frequency divisors, as a GGUF's rope_freqs tensor gives them
+        factors = torch.tensor(factors, dtype=torch.float32, device="cpu")
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope frequency factors: {tuple(factors.shape)} values for {inv_freq.numel()} frequencies")
+        inv_freq = inv_freq / factors
     kind = rope.get("rope_type", rope.get("type", "default")) or "default"
     if kind == "default":
         return inv_freq

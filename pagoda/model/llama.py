@@ -6,6 +6,7 @@ One class serves the family; architecture differences are flags read from the co
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -15,6 +16,8 @@ from pagoda.model.attention import AttentionContext
 from pagoda.model.errors import ModelLoadError
 from pagoda.model.layers import RMSNorm, RotaryEmbedding, RotaryStep, silu_and_mul
 
+logger = logging.getLogger(__name__)
+
 
 def rope_parameters(config) -> dict:
     """Rotary settings whichever way the config spells them (transformers 5 `rope_parameters`, or older)."""
@@ -23,7 +26,34 @@ def rope_parameters(config) -> dict:
     if legacy and not params.get("rope_type"):
         params.update(legacy)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    factors = getattr(config, "rope_freq_factors", None)  # a GGUF's rope_freqs tensor (Llama 3.1 scaling)
+    if factors is not None:
+        params["freq_factors"] = factors
     return params
+
+
+def check_config(config) -> None:
+    """Raise ValueError for a config this model cannot follow, rather than build a wrong model."""
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads"):
+        value = getattr(config, key, None)
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})"
+        )
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is not None and (type(head_dim) is not int or head_dim <= 0 or head_dim % 2):
+        raise ValueError(f"head_dim must be a positive even integer, got {head_dim!r}")
+    if head_dim is None and config.hidden_size % config.num_attention_heads:
+        raise ValueError(
+            f"hidden_size ({config.hidden_size}) is not a multiple of num_attention_heads ({config.num_attention_heads})"
+        )
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported (this model computes SiLU)")
 
 
 class LlamaAttention(nn.Module):
@@ -127,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, architecture: str = "LlamaForCausalLM") -> None:
         super().__init__()
+        check_config(config)
         self.config = config
         qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
         qk_norm = architecture == "Qwen3ForCausalLM"
@@ -154,12 +185,16 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Copy (name, tensor) pairs with Hugging Face names into the merged parameters, one at a time."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: dict[str, str] = {}  # "target#offset" -> the checkpoint name that filled it
+        tied_head = None
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
+                if tied_head is not None:
+                    raise ModelLoadError(f"{source}: tensor {name!r} appears more than once")
+                tied_head = tensor  # compared with the embedding once that is loaded
+                continue
             target, offset, rows = name, 0, None
             parts = name.rsplit(".", 2)
             if len(parts) == 3 and parts[1] in _MERGED:
@@ -175,17 +210,46 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(
                     f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                 )
+            key = f"{target}#{offset}"
+            if key in loaded:
+                raise ModelLoadError(f"{source}: tensor {name!r} appears more than once")
             dest.copy_(tensor)
-            loaded.add(f"{target}#{offset}")
-        expected = set()
+            loaded[key] = name
+        expected = {}  # "target#offset" -> checkpoint name, for the message
         for pname in params:
             base = pname.rsplit(".", 2)
             if len(base) == 3 and base[1] in ("qkv_proj", "gate_up_proj"):
                 sizes = self._shard_sizes(base[1])
-                expected.update(f"{pname}#{sum(sizes[:i])}" for i in range(len(sizes)))
+                for part, (merged, shard) in _MERGED.items():
+                    if merged == base[1]:
+                        expected[f"{pname}#{sum(sizes[:shard])}"] = f"{base[0]}.{part}.{base[2]}"
             else:
-                expected.add(f"{pname}#0")
-        missing = sorted(expected - loaded)
+                expected[f"{pname}#0"] = pname
+        missing = [expected[k] for k in expected if k not in loaded]
         if missing:
-            names = ", ".join(m.split("#")[0] for m in missing[:5])
+            names = ", ".join(missing[:5])
             raise ModelLoadError(f"{source}: missing tensor(s) {names}{' ...' if len(missing) > 5 else ''}")
+        if tied_head is not None:
+            self._untie_if_different(tied_head, source)
+
+    def _untie_if_different(self, head: torch.Tensor, source: str) -> None:
+        """The config ties the head to the embedding but the checkpoint also holds lm_head.weight. As
+        transformers does, a head equal to the embedding stays tied, and a different one is used."""
+        embed = self.model.embed_tokens.weight
+        if tuple(head.shape) != tuple(embed.shape):
+            raise ModelLoadError(
+                f"{source}: tensor 'lm_head.weight' has shape {tuple(head.shape)}, expected {tuple(embed.shape)}"
+            )
+        if torch.equal(head.to(embed.device, embed.dtype), embed.data):
+            return
+        logger.warning(
+            "%s: config.json ties lm_head to the embedding, but the checkpoint's lm_head.weight differs; "
+            "using it (as transformers does). Set tie_word_embeddings to false to silence this.", source
+        )
+        self.lm_head = nn.utils.skip_init(
+            nn.Linear, embed.shape[1], embed.shape[0], bias=False, device=embed.device, dtype=embed.dtype
+        )
+        self.lm_head.weight.requires_grad_(embed.requires_grad)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head)
+        self.tie_word_embeddings = False

@@ -75,6 +75,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     import torch
 
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype}")
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
@@ -108,16 +110,44 @@ def load_config(source: ModelSource, use_cache: bool = True):
             entries = (gguf_cache.lookup(source.path, _weights_kind(d)) for d in _DTYPE_NAMES)
             cached = next((e for e in entries if e is not None), None)
             if cached is not None:
-                return _cached_config(cached)
+                try:
+                    return _cached_config(cached)
+                except ModelLoadError as exc:  # damaged: the GGUF itself still says
+                    logger.warning("ignoring the load cache entry %s: %s", cached, exc)
         from pagoda.model.gguf_file import gguf_config, open_gguf
 
         return gguf_config(open_gguf(source.path), source.path)
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(source.path))
+        config = AutoConfig.from_pretrained(str(source.path))
     except Exception as exc:
         raise ModelLoadError(f"{source.path / 'config.json'}: cannot read config ({exc})") from None
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else type(quant).__name__
+        raise ModelLoadError(
+            f"{source.path / 'config.json'}: quantized checkpoints ({method}) are not supported; "
+            "give unquantized safetensors or a .gguf file"
+        )
+    _limit_to_sliding_window(config, source.path / "config.json")
+    return config
+
+
+def _limit_to_sliding_window(config, where: Path) -> None:
+    """Pagoda's attention is full attention. Where transformers would attend over a sliding window,
+    the two agree only while a sequence fits the window: cap the model's context there."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None or window < limit:
+        logger.warning(
+            "%s: sliding-window attention (window %d) is not implemented; limiting the context to %d tokens, "
+            "where full attention gives the same result", where, window, window
+        )
+        config.max_position_embeddings = window
 
 
 def _weights_kind(dtype: torch.dtype | str) -> str:
@@ -138,15 +168,20 @@ def _cached_config(folder: Path):
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({exc!r})") from None
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: listed in the index but missing")
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]  # as transformers: other .safetensors beside it are not the model
     else:
-        files = sorted(folder.glob("*.safetensors"))
+        files = sorted(f for f in folder.glob("*.safetensors") if f.is_file())
     if not files:
         raise ModelLoadError(f"{folder}: no .safetensors files")
-    for f in files:
-        if not f.exists():
-            raise ModelLoadError(f"{f}: listed in the index but missing")
     return files
 
 
@@ -154,9 +189,22 @@ def _safetensors_tensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str
     from safetensors import safe_open
 
     for f in _safetensors_files(folder):
-        with safe_open(str(f), framework="pt") as st:
+        try:
+            st = safe_open(str(f), framework="pt")
+        except Exception as exc:  # SafetensorError, OSError: a damaged, truncated or foreign file
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({exc})") from None
+        with st:
             for name in st.keys():
-                yield name, st.get_tensor(name).to(dtype)
+                try:
+                    tensor = st.get_tensor(name)
+                except Exception as exc:
+                    raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({exc})") from None
+                if not tensor.is_floating_point():
+                    raise ModelLoadError(
+                        f"{f}: tensor {name!r} is {tensor.dtype}, not floating point "
+                        "(quantized checkpoints are not supported)"
+                    )
+                yield name, tensor.to(dtype)
 
 
 def _store_converted(path: Path, dtype: torch.dtype, config, net: torch.nn.Module) -> None:
@@ -186,8 +234,9 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def _build_on_meta(cls, config, arch: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The model without storage: no memory or time is spent on random init that weights overwrite."""
+def _build_on_meta(cls, config, arch: str, dtype: torch.dtype, where: Path | str) -> torch.nn.Module:
+    """The model without storage: no memory or time is spent on random init that weights overwrite.
+    A config the model cannot follow is a ModelLoadError naming `where` (the file that says it)."""
     import torch
 
     previous = torch.get_default_dtype()
@@ -195,6 +244,8 @@ def _build_on_meta(cls, config, arch: str, dtype: torch.dtype) -> torch.nn.Modul
     try:
         with torch.device("meta"):
             return cls(config, arch)
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, RuntimeError) as exc:
+        raise ModelLoadError(f"{where}: cannot build {arch} from this config ({exc})") from None
     finally:
         torch.set_default_dtype(previous)
 
@@ -214,7 +265,7 @@ def _load_cached(folder: Path, source: ModelSource, dtype: torch.dtype, device: 
 
     config = _cached_config(folder)
     arch, cls = resolve_architecture(config, str(source.path))
-    net = _build_on_meta(cls, config, arch, dtype)
+    net = _build_on_meta(cls, config, arch, dtype, folder / "config.json")
     load_params(net, folder / "model.safetensors", device)
     _materialize_rotary(net, device)
     return LoadedModel(net.eval(), config, arch, source, dtype)
@@ -232,11 +283,15 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     if cached:
         try:
             return _load_cached(cached, source, torch_dtype, device)
-        except ModelLoadError as exc:  # a damaged entry only costs this start its speed
+        except (MemoryError, torch.cuda.OutOfMemoryError):
+            raise  # not the entry's fault
+        except Exception as exc:  # a damaged entry only costs this start its speed, and is replaced
             logger.warning("ignoring the load cache entry %s: %s", cached, exc)
+            gguf_cache.discard(source.path, _weights_kind(torch_dtype))
     config = load_config(source, use_cache=False)
     arch, cls = resolve_architecture(config, str(source.path))
-    net = _build_on_meta(cls, config, arch, torch_dtype).to_empty(device=device)
+    where = source.path if source.is_gguf else source.path / "config.json"
+    net = _build_on_meta(cls, config, arch, torch_dtype, where).to_empty(device=device)
     _materialize_rotary(net, device)
     if source.is_gguf:
         from pagoda.model.gguf_file import gguf_tensors, open_gguf
@@ -253,28 +308,39 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
 
 
 def load_tokenizer(source: ModelSource):
-    """The tokenizer (with its chat template) from transformers; None when the folder has none."""
+    """The tokenizer (with its chat template) from transformers; None when the folder (or the GGUF's
+    metadata) has none, ModelLoadError when it has one that does not load."""
     if not source.is_gguf and not any(
         (source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     ):
         return None  # e.g. a random-weight model saved without one: run on token ids
+    if source.is_gguf:
+        cached = gguf_cache.lookup(source.path, "tokenizer")
+        if cached:
+            try:
+                return _load_cached_tokenizer(cached)
+            except Exception as exc:  # damaged: convert again, and replace the entry
+                logger.warning("ignoring the load cache entry %s: %s", cached, exc)
+                gguf_cache.discard(source.path, "tokenizer")
+    from transformers import AutoTokenizer
+
     try:
         if source.is_gguf:
-            cached = gguf_cache.lookup(source.path, "tokenizer")
-            if cached:
-                return _load_cached_tokenizer(cached)
-            from transformers import AutoTokenizer
-
             tokenizer = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-            gguf_cache.store(source.path, "tokenizer", tokenizer.save_pretrained)
-            return tokenizer
-        from transformers import AutoTokenizer
+        else:
+            return AutoTokenizer.from_pretrained(str(source.path))
+    except Exception as exc:
+        if source.is_gguf and not _gguf_has_tokenizer(source.path):
+            return None  # e.g. a converted random-weight model: run on token ids
+        raise ModelLoadError(f"{source.path}: cannot load the tokenizer ({exc})") from None
+    gguf_cache.store(source.path, "tokenizer", tokenizer.save_pretrained)
+    return tokenizer
 
-        return AutoTokenizer.from_pretrained(str(source.path))
-    except Exception:
-        if source.is_gguf:
-            raise
-        return None
+
+def _gguf_has_tokenizer(path: Path) -> bool:
+    from pagoda.model.gguf_file import open_gguf
+
+    return "tokenizer.ggml.model" in open_gguf(path).fields
 
 
 # The classes that are a plain `tokenizers` backend; transformers 5 names it TokenizersBackend

@@ -38,14 +38,19 @@ def save_params(net: nn.Module, path: Path) -> None:
 def _read_header(path: Path) -> tuple[int, dict]:
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
+        if length > path.stat().st_size:
+            raise ValueError(f"header length {length} exceeds the file")
         header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
     header.pop("__metadata__", None)
     return 8 + length, header
 
 
 def load_params(net: nn.Module, path: Path, device: torch.device) -> None:
     """Replace every parameter and persistent buffer of `net` (built on the meta device) by the
-    file's tensor of the same name; raise ModelLoadError unless names, shapes and dtypes all match."""
+    file's tensor of the same name; raise ModelLoadError unless names, shapes and dtypes all match
+    and the tensors' byte ranges exactly tile the file's data (as safetensors requires)."""
     try:
         data_start, header = _read_header(path)
         size = path.stat().st_size
@@ -55,23 +60,40 @@ def load_params(net: nn.Module, path: Path, device: torch.device) -> None:
     if set(header) != set(expected):
         missing, extra = sorted(set(expected) - set(header)), sorted(set(header) - set(expected))
         raise ModelLoadError(f"{path}: tensors do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
-    storage = torch.UntypedStorage.from_file(str(path), False, size)  # shared=False: MAP_PRIVATE
-    _MAPPED.add((storage.data_ptr(), storage.nbytes()))
+    layout = []  # (begin, end, name, dtype, shape), checked in full before anything is mapped
     for name, meta in header.items():
         want = expected[name]
-        dtype = _DTYPES.get(meta["dtype"])
-        begin, end = (data_start + o for o in meta["data_offsets"])
-        if dtype != want.dtype or tuple(meta["shape"]) != tuple(want.shape) or end > size:
+        try:
+            dtype = _DTYPES.get(meta["dtype"])
+            shape = tuple(int(d) for d in meta["shape"])
+            begin, end = (data_start + int(o) for o in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: malformed header entry for {name!r} ({exc!r})") from None
+        if dtype != want.dtype or shape != tuple(want.shape):
             raise ModelLoadError(
-                f"{path}: tensor {name!r} is {meta['dtype']} {meta['shape']}, "
+                f"{path}: tensor {name!r} is {meta['dtype']} {list(shape)}, "
                 f"expected {want.dtype} {tuple(want.shape)}"
             )
+        if end - begin != want.numel() * want.element_size():
+            raise ModelLoadError(f"{path}: tensor {name!r} spans {end - begin} bytes, expected {want.numel() * want.element_size()}")
+        layout.append((begin, end, name, dtype, shape))
+    layout.sort()
+    covered = data_start
+    for begin, end, name, _, _ in layout:
+        if begin != covered:
+            raise ModelLoadError(f"{path}: tensor {name!r} starts at byte {begin}, expected {covered} (damaged header)")
+        covered = end
+    if covered != size:
+        raise ModelLoadError(f"{path}: the tensors cover {covered} bytes of a {size}-byte file (truncated or damaged)")
+    storage = torch.UntypedStorage.from_file(str(path), False, size)  # shared=False: MAP_PRIVATE
+    _MAPPED.add((storage.data_ptr(), storage.nbytes()))
+    for begin, end, name, dtype, shape in layout:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if begin % itemsize == 0:
-            tensor = torch.empty(0, dtype=dtype).set_(storage, begin // itemsize, tuple(meta["shape"]))
+            tensor = torch.empty(0, dtype=dtype).set_(storage, begin // itemsize, shape)
         else:  # safetensors pads its header to 8 bytes, so this is only a safety net
             raw = torch.empty(0, dtype=torch.uint8).set_(storage, begin, (end - begin,))
-            tensor = raw.clone().view(dtype).reshape(meta["shape"])
+            tensor = raw.clone().view(dtype).reshape(shape)
         if tensor.device != device:
             tensor = tensor.to(device)
         _assign(net, name, tensor)

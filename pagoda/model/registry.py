@@ -16,7 +16,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 
 def resolve_architecture(config, source: str) -> tuple[str, type[nn.Module]]:
-    archs = list(getattr(config, "architectures", None) or [])
+    archs = getattr(config, "architectures", None) or []
+    archs = [archs] if isinstance(archs, str) else list(archs)
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return arch, MODEL_REGISTRY[arch]

@@ -18,8 +18,9 @@ def _permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(hf_model, path, qtype_name: str) -> None:
-    """Convert a tiny HF Llama to GGUF the way llama.cpp's converter does (Q/K rows permuted)."""
+def write_tiny_gguf(hf_model, path, qtype_name: str, extra=None) -> None:
+    """Convert a tiny HF Llama to GGUF the way llama.cpp's converter does (Q/K rows permuted);
+    extra(writer), if given, adds metadata or tensors of its own."""
     import gguf
     from gguf.quants import quantize
 
@@ -35,6 +36,8 @@ def write_tiny_gguf(hf_model, path, qtype_name: str) -> None:
     w.add_context_length(cfg.max_position_embeddings)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
+    if extra is not None:
+        extra(w)
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
