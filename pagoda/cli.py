@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagoda.config import KV_CACHE_DTYPES
+from pagoda.config import DTYPES, KV_CACHE_DTYPES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """vLLM's engine flag names."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",

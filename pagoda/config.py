@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+# The names `--dtype` takes (vLLM's) and the short ones the loader also accepts.
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_DTYPE_ALIASES = ("fp16", "bf16", "fp32")
+_INT_FIELDS = (
+    "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "long_prefill_token_threshold",
+    "kv_cache_memory", "num_gpu_blocks_override", "max_logprobs",
+)
 
 
 @dataclass
@@ -28,8 +36,27 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     served_model_name: str | None = None
+    max_logprobs: int = 20  # the most logprobs a request may ask for (vLLM's default); -1: the vocabulary
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.seed is None:
+            raise ValueError("seed must be an integer, got None")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPES + _DTYPE_ALIASES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (or unset for the model's), got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes (or unset), got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1 (or unset), got {self.num_gpu_blocks_override}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit; got {self.max_logprobs}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -23,6 +23,9 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
         except BenchError as exc:
             print(f"pagoda bench: error: {exc}", file=sys.stderr)
             return 1
+        except OSError as exc:  # e.g. --json or --plot could not be written after the run
+            print(f"pagoda bench: error: {exc}", file=sys.stderr)
+            return 1
 
     return run
 

@@ -106,6 +106,20 @@ def invocation(command: str) -> list[str] | None:
     return argv if argv[:2] == ["bench", command] else None
 
 
+def check_output_path(path: str | os.PathLike | None, flag: str) -> None:
+    """Refuse, before a run, an output file that could not be written after it (ValueError)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder, give a file name")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # write_json creates missing folders: check the first one that exists
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{flag} {path}: cannot write there")
+
+
 def write_json(path: str | os.PathLike, record: dict[str, Any]) -> None:
     p = Path(path)
     if p.parent and not p.parent.exists():

@@ -14,7 +14,7 @@ import statistics
 import time
 from typing import Any
 
-from pagoda.bench.common import BenchError, environment, format_table, invocation, parse_int_list, write_json
+from pagoda.bench.common import BenchError, check_output_path, environment, format_table, invocation, parse_int_list, write_json
 from pagoda.bench.throughput import HFRunner, PagodaRunner, _sync, model_info
 from pagoda.bench.workloads import allowed_token_ids, special_token_ids, vocab_for
 
@@ -103,6 +103,7 @@ def run_latency(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[s
     if ns.output_len < 2:
         raise ValueError("--output-len must be >= 2 to time decoding")
     lens = parse_int_list(ns.input_lens)
+    check_output_path(ns.json, "--json")
     info = model_info(ns.model)
     allowed = allowed_token_ids(vocab_for(info.tokenizer, info.config), special_token_ids(info.tokenizer, info.config))
     device = pick_device(ns.device)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.bench.common import BenchError, environment, format_table, invocation, summarize, write_json
+from pagoda.bench.common import BenchError, check_output_path, environment, format_table, invocation, summarize, write_json
 
 
 @dataclass
@@ -360,9 +360,26 @@ def print_report(m: dict[str, Any], cfg: ServeConfig, model: str) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> ServeConfig:
-    extra = json.loads(ns.extra_body) if ns.extra_body else {}
+    try:
+        extra = json.loads(ns.extra_body) if ns.extra_body else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
+    if ns.vocab_size is not None and ns.vocab_size < 1:
+        raise ValueError("--vocab-size must be >= 1")
+    if ns.num_warmups < 0:
+        raise ValueError("--num-warmups must be >= 0")
+    if ns.request_timeout is not None and not ns.request_timeout > 0:
+        raise ValueError("--request-timeout must be > 0")
+    if not ns.ready_timeout >= 0:
+        raise ValueError("--ready-timeout must be >= 0")
+    for flag in ("slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms"):
+        value = getattr(ns, flag)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+    check_output_path(ns.json, "--json")
+    check_output_path(ns.plot, "--plot")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     if ns.output_len < 1 or ns.num_prompts < 1:

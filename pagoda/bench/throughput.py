@@ -19,6 +19,7 @@ from typing import Any
 
 from pagoda.bench.common import (
     BenchError,
+    check_output_path,
     environment,
     format_table,
     invocation,
@@ -97,7 +98,7 @@ def build_workload(ns: argparse.Namespace, info: ModelInfo) -> Workload:
     """The workload named by --workload: 'random', 'prefix' or a .jsonl file."""
     if ns.workload in ("random", "prefix"):
         allowed = allowed_token_ids(vocab_for(info.tokenizer, info.config), special_token_ids(info.tokenizer, info.config))
-        n = ns.num_prompts or 64
+        n = 64 if ns.num_prompts is None else ns.num_prompts
         if ns.workload == "random":
             return random_workload(n, ns.input_len_min, ns.input_len_max, ns.output_len, allowed, ns.seed)
         return prefix_workload(n, ns.prefix_len, ns.suffix_len, ns.output_len, allowed, ns.seed)
@@ -259,6 +260,8 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
 
     if ns.runs < 1:
         raise ValueError("--runs must be >= 1")
+    check_output_path(ns.json, "--json")
+    hf_batch_sizes = parse_int_list(ns.hf_batch_sizes) if ns.compare else []
     info = model_info(ns.model)
     workload = build_workload(ns, info)
     device = pick_device(ns.device)
@@ -275,7 +278,7 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
     pagoda.check_fits(workload)
     pagoda.warmup(workload)
     hf: HFRunner | None = None
-    sizes = sorted({min(b, workload.num_requests) for b in parse_int_list(ns.hf_batch_sizes)}) if ns.compare else []
+    sizes = sorted({min(b, workload.num_requests) for b in hf_batch_sizes})
 
     pagoda_runs: list[RunStats] = []
     hf_runs: list[RunStats] = []

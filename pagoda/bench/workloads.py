@@ -131,7 +131,15 @@ def jsonl_workload(
     here (with the tokenizer's defaults, e.g. a BOS) so every engine gets the same ids."""
     requests: list[BenchRequest] = []
     p = Path(path)
-    with p.open() as f:
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if p.suffix != ".jsonl" and not p.is_file():
+        raise ValueError(f"workload must be 'random', 'prefix' or a .jsonl file, got {str(path)!r}")
+    try:
+        f = p.open()
+    except OSError as exc:
+        raise ValueError(f"cannot read the workload file {p}: {exc.strerror or exc}") from None
+    with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from tqdm import tqdm
 
@@ -41,19 +41,32 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise ValueError(
+                f"prompts must be a string, a list of token ids, a dict, or a list of those; got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+            params = list(sampling_params)
+        else:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        for sp in params:
+            if sp is not None and not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got a {type(sp).__name__} in the list")
+        if priority is not None and (not isinstance(priority, Sequence) or len(priority) != len(prompts)):
+            got = f"{len(priority)} priorities" if isinstance(priority, Sequence) else f"priority={priority!r}"
+            raise ValueError(f"priority must be a list with one integer per prompt: got {len(prompts)} prompts and {got}")
         ids = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 ids.append(self.engine.add_request(prompt, sp, priority=priority[i] if priority else 0))
-        except Exception:
+        except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
@@ -64,21 +77,30 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start = time.perf_counter()
         out_tokens = 0
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    out_tokens += sum(len(o.token_ids) for o in out.outputs)
-                    bar.update(1)
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(f"{out_tokens / elapsed:.1f} output tok/s")
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"{out_tokens / elapsed:.1f} output tok/s")
+        except BaseException:
+            # A failed step (or Ctrl-C) must not leave this call's requests in the engine, where the
+            # next generate() would run them again (and fail the same way).
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         return [done[rid] for rid in ids]
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
@@ -87,7 +109,26 @@ class LLM:
             raise ValueError("this model has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": list(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))}
-            for conv in conversations
+            {"prompt_token_ids": self._apply_chat_template(tok, conv, add_generation_prompt)} for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _apply_chat_template(tok, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
+        if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, dict) for m in conversation):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such lists")
+        msgs = []
+        for m in conversation:
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI content parts: the text ones, joined as vLLM does
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                    raise ValueError("message content parts must be {'type': 'text', 'text': ...} (text only)")
+                m = {**m, "content": "\n".join(p["text"] for p in content)}
+            msgs.append(m)
+        try:
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja errors (a message without 'role' or 'content'...), TypeError
+            raise ValueError(f"cannot apply the chat template: {type(exc).__name__}: {exc}") from None
+        return list(ids)

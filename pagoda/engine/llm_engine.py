@@ -6,6 +6,8 @@ import itertools
 import time
 from typing import Any
 
+import torch
+
 from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import Prompt, eos_token_id_of, make_core_requests, tokenize_prompt, validate_prompt
@@ -20,6 +22,8 @@ class LLMEngine:
         """`loaded` and `tokenizer` reuse an already loaded model (tests build many engines on one);
         tokenizer=None runs on token ids alone."""
         self.args = args
+        if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {str(args.device)!r} was asked for but torch sees no CUDA device; use --device cpu or auto")
         self.core = EngineCore(args, loaded)
         self.tokenizer = load_tokenizer(self.core.loaded.source) if tokenizer == "auto" else tokenizer
         self.eos_token_id = eos_token_id_of(self.tokenizer, self.core.loaded.config)
@@ -38,7 +42,8 @@ class LLMEngine:
         priority: int = 0,
         delta: bool = False,
     ) -> str:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        self._check_params(params)
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)
         validate_prompt(
             prompt_ids,
@@ -53,6 +58,23 @@ class LLMEngine:
         for req in make_core_requests(child_ids, prompt_ids, params, self.eos_token_id, priority, time.time()):
             self.core.add_request(req)
         return request_id
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Refuse here what would otherwise fail inside a step, taking the whole batch down with it."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        vocab_size = self.core.loaded.config.vocab_size
+        if params.logprobs is not None:
+            if isinstance(params.logprobs, bool):
+                raise ValueError(f"logprobs must be an integer >= 0, got {params.logprobs!r}")
+            limit = vocab_size if self.args.max_logprobs == -1 else min(self.args.max_logprobs, vocab_size)
+            if params.logprobs > limit:
+                raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: {limit}")
+        seed = params.seed
+        if seed is not None:
+            # torch generators take seeds in [-2**63, 2**64); child i of an n > 1 request uses seed + i.
+            if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed <= 2**64 - params.n:
+                raise ValueError(f"seed must be an integer in [-2**63, 2**64 - n], got {seed!r}")
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.processor.abort(request_id))

@@ -93,3 +93,160 @@ def test_chat_and_string_prompts(smollm2_fp32, smollm2_tokenizer):
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
     assert "<|im_end|>" not in out[0].outputs[0].text
+
+
+# -- bad input at the offline front door: a ValueError before anything runs, and the engine unharmed --
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tmp_path_factory):
+    from pagoda.model.loader import load_model
+    from tests.tiny_models import save_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny_llama_front_door")
+    save_tiny_model("llama3", folder)
+    return load_model(str(folder), dtype="float32")
+
+
+def _assert_engine_clean_and_working(llm, want):
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.core.kv_manager.usage == 0.0
+    got = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want
+
+
+GOOD = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+BAD_CALLS = {
+    "prompts is an int": lambda llm: llm.generate(5, GOOD, use_tqdm=False),
+    "prompts is None": lambda llm: llm.generate(None, GOOD, use_tqdm=False),
+    "sampling_params is a dict": lambda llm: llm.generate([[1, 2]], {"temperature": 0}, use_tqdm=False),
+    "sampling_params list holds a str": lambda llm: llm.generate([[1], [2]], [GOOD, "x"], use_tqdm=False),
+    "priority shorter than prompts": lambda llm: llm.generate([[1], [2]], GOOD, priority=[1], use_tqdm=False),
+    "priority longer than prompts": lambda llm: llm.generate([[1]], GOOD, priority=[1, 2], use_tqdm=False),
+    "priority is an int": lambda llm: llm.generate([[1]], GOOD, priority=1, use_tqdm=False),
+    # These three used to pass validation and fail inside the step, leaving the request in the engine,
+    # so that every later generate() failed the same way.
+    "logprobs over the vocabulary": lambda llm: llm.generate([[1], [2]], [GOOD, SamplingParams(max_tokens=2, logprobs=10_000)], use_tqdm=False),
+    "logprobs over max_logprobs (20)": lambda llm: llm.generate([[1]], SamplingParams(max_tokens=2, logprobs=21), use_tqdm=False),
+    "logprobs=True": lambda llm: llm.generate([[1]], SamplingParams(max_tokens=2, logprobs=True), use_tqdm=False),
+    "seed out of range": lambda llm: llm.generate([[1], [2]], [GOOD, SamplingParams(max_tokens=2, seed=2**70)], use_tqdm=False),
+    "seed is a float": lambda llm: llm.generate([[1]], SamplingParams(max_tokens=2, seed=1.5), use_tqdm=False),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_generate_input_is_a_value_error_and_leaves_the_engine_working(tiny_loaded, case):
+    llm = make_engine(tiny_loaded, num_gpu_blocks_override=64, max_model_len=128)
+    want = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError):
+        BAD_CALLS[case](llm)
+    _assert_engine_clean_and_working(llm, want)
+
+
+def test_logprobs_up_to_max_logprobs_are_served(tiny_loaded):
+    llm = make_engine(tiny_loaded, num_gpu_blocks_override=64)
+    out = llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=2, logprobs=20), use_tqdm=False)[0].outputs[0]
+    assert all(len(step) >= 20 for step in out.logprobs)
+    # max_logprobs=-1 lifts the cap to the vocabulary, as in vLLM.
+    llm = make_engine(tiny_loaded, num_gpu_blocks_override=64, max_logprobs=-1)
+    out = llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=1, logprobs=512), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs[0]) == 512
+    with pytest.raises(ValueError, match="greater than max allowed: 512"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=513), use_tqdm=False)
+
+
+def test_a_failed_step_aborts_the_calls_requests(tiny_loaded):
+    llm = make_engine(tiny_loaded, num_gpu_blocks_override=64)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    runner = llm.engine.core.runner
+    real = runner.execute
+    calls = []
+
+    def failing(so):
+        calls.append(1)
+        if len(calls) == 2:  # after the prefill, in the middle of decoding
+            raise RuntimeError("boom")
+        return real(so)
+
+    runner.execute = failing
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[1, 2, 3], [4, 5], [6]], sp, use_tqdm=False)
+    runner.execute = real
+    _assert_engine_clean_and_working(llm, want)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_model_len": 0},  # used to mean "the model's length"
+        {"max_model_len": 64.0},
+        {"num_gpu_blocks_override": 0},  # used to mean "size the cache by memory" (2 GiB on CPU)
+        {"num_gpu_blocks_override": -3},
+        {"kv_cache_memory": 0},
+        {"device": "bogus"},  # used to be torch's RuntimeError
+        {"device": "mps"},
+        {"seed": None},
+        {"dtype": "fp8"},
+        {"max_logprobs": -2},
+    ],
+)
+def test_engine_args_refuse_bad_values(kwargs):
+    from pagoda.config import EngineArgs
+
+    with pytest.raises(ValueError):
+        EngineArgs.from_kwargs(**kwargs)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_value_error(tiny_loaded):
+    from pagoda.config import EngineArgs
+    from pagoda.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="no CUDA device"):  # used to be torch's AssertionError
+        LLMEngine(EngineArgs(device="cuda", num_gpu_blocks_override=64), loaded=tiny_loaded, tokenizer=None)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "bogus"], "device must be auto, cpu, cuda or cuda:N"),
+        (["--num-gpu-blocks-override", "0"], "num_gpu_blocks_override must be >= 1"),
+        (["--max-model-len", "0"], "max_model_len must be >= 1"),
+        (["--kv-cache-memory", "-5"], "kv_cache_memory must be a positive number"),
+    ],
+)
+def test_cli_generate_refuses_bad_engine_flags_in_one_line(argv, message, capsys):
+    from pagoda.cli import main
+
+    # Refused before the model loads: the default model is never read.
+    assert main(["generate", "hello", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagoda: error: ") and message in err and err.count("\n") == 1
+
+
+def test_cli_takes_vllm_dtype_names():
+    import argparse
+
+    from pagoda.cli import add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for name in ("half", "float", "float16", "bfloat16", "float32", "auto"):
+        assert p.parse_args(["--dtype", name]).dtype == name
+
+
+def test_chat_bad_messages_and_content_parts(smollm2_fp32, smollm2_tokenizer):
+    llm = make_engine(smollm2_fp32, smollm2_tokenizer, num_gpu_blocks_override=128)
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user"}], sp, use_tqdm=False)  # used to be jinja2's UndefinedError
+    with pytest.raises(ValueError, match="messages must be"):
+        llm.chat("hello", sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="text only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], sp, use_tqdm=False)
+    # OpenAI-style text parts are joined with newlines, as vLLM does.
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}], sp, use_tqdm=False)
+    plain = llm.chat([{"role": "user", "content": "Hi\nthere"}], sp, use_tqdm=False)
+    assert parts[0].prompt_token_ids == plain[0].prompt_token_ids
+    assert not llm.engine.has_unfinished_requests()
