@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -33,6 +35,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not (
+            isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop)
+        ):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -42,6 +50,18 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        # Numbers first: a string would fail the comparisons below with a TypeError, and NaN would
+        # pass every one of them (each comparison with NaN is false) and sample garbage.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed"):
+            if isinstance(getattr(self, name), bool):
+                raise bad(name, "must be an integer, not a boolean")
+        if self.seed is not None and not isinstance(self.seed, numbers.Integral):
+            raise bad("seed", "must be an integer")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")

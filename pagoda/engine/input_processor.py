@@ -8,6 +8,8 @@ split without the model or torch.
 
 from __future__ import annotations
 
+import numbers
+
 from typing import Any
 
 from pagoda.engine.messages import EngineCoreRequest
@@ -34,7 +36,12 @@ def tokenize_prompt(tokenizer: Any, prompt: Prompt, add_special_tokens: bool = T
     'prompt' or 'prompt_token_ids'."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
+            ):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), [int(t) for t in ids]
         if "prompt" in prompt:
             prompt = prompt["prompt"]
         else:
@@ -91,7 +98,7 @@ def validate_prompt(
         need = -(-longest // block_size)
         if need > num_usable_blocks:
             raise ValueError(
-                f"This request may need {longest} tokens of KV cache but the server's cache holds "
+                f"This request may need {longest} tokens of KV cache but the cache holds "
                 f"{num_usable_blocks * block_size}. Please reduce the length of the prompt or of max_tokens."
             )
 

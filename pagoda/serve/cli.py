@@ -79,6 +79,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--max-waiting-requests must be >= 0")
     if ns.request_timeout is not None and ns.request_timeout <= 0:
         raise ValueError("--request-timeout must be > 0")
+    if not 0 <= ns.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
     if ns.drain_timeout < 0 or ns.log_stats_interval < 0:
         raise ValueError("--drain-timeout and --log-stats-interval must be >= 0")
     names = ns.served_model_name or [model or DEFAULT_MODEL]
@@ -124,6 +126,10 @@ def _read_template(value: str | None) -> str | None:
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             return f.read()
+    if "{" not in value:
+        # Not Jinja (no tag, no expression): a mistyped path, which would otherwise be served as the
+        # template text itself.
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
     return value
 
 

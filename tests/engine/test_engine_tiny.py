@@ -210,6 +210,9 @@ def test_bad_prompts_rejected_without_disturbing_others(tiny):
         llm.generate([[]], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="token ids must be in"):
         llm.generate([[1, 100000]], SamplingParams(max_tokens=4), use_tqdm=False)
+    for ids in ("abc", None, [1.5, 2]):
+        with pytest.raises(ValueError, match="prompt_token_ids must be a list of integers"):
+            llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, prompt_logprobs=1), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()

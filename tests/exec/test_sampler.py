@@ -428,6 +428,17 @@ def test_no_logprobs_when_none_asked() -> None:
         {"frequency_penalty": -3.0},
         {"logprobs": -1},
         {"min_tokens": 5, "max_tokens": 2},
+        # NaN passes every range comparison; strings and booleans are not numbers
+        {"temperature": float("nan")},
+        {"repetition_penalty": float("nan")},
+        {"top_p": float("inf")},
+        {"temperature": "0"},
+        {"n": True},
+        {"max_tokens": True},
+        {"seed": 1.5},
+        {"stop": 5},
+        {"stop": ["ok", 5]},
+        {"stop_token_ids": 7},
     ],
 )
 def test_sampling_params_reject_bad_values(bad: dict) -> None:

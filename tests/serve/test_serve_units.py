@@ -350,6 +350,10 @@ def test_bad_arguments_exit_2(tmp_path):
     keys.write_text("sk-a rps=0\n")
     r = _serve("--api-keys-file", str(keys), "--port", "1")
     assert r.returncode == 2 and "API keys" in r.stderr
+    r = _serve("--port", "70000")
+    assert r.returncode == 2 and "--port must be in [0, 65535]" in r.stderr
+    r = _serve("--chat-template", str(tmp_path / "missing.jinja"), "--port", "1")
+    assert r.returncode == 2 and "no such file, and not a Jinja template" in r.stderr
 
 
 def test_engine_that_cannot_start_exits_1(tmp_path):
