@@ -139,15 +139,16 @@ def test_prefix_cache_hit_counter_rises_for_a_repeated_prompt(server):
 def test_forced_preemption_counts_and_shows_in_the_timeline(server):
     before = idle(server)
     ids = []
-    # Each grows to 40 + 120 = 160 tokens (10 blocks); any three together need 30 blocks > 23 usable.
-    # Four requests sent at once (a barrier): even if one ran well ahead of the rest and finished
-    # first, the other three still overlap and must preempt.
+    # Each grows to 40 + 200 = 240 tokens (15 blocks); any two together need 30 blocks > 23 usable.
+    # Four requests sent at once (a barrier) still reach the server tens of milliseconds apart (each
+    # thread's httpx.post builds a client and an SSL context under the GIL), but two of them overlap
+    # and must preempt unless those gaps grew to a whole request's run time.
     prompts = [[11 + i] * 40 for i in range(4)]
     start = threading.Barrier(len(prompts))
 
     def send(prompt):
         start.wait()
-        ids.append(complete(server, prompt, 120)["id"])
+        ids.append(complete(server, prompt, 200)["id"])
 
     threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
     for t in threads:
@@ -168,7 +169,7 @@ def test_forced_preemption_counts_and_shows_in_the_timeline(server):
     events = [e["event"] for e in preempted[0]["events"]]
     i = events.index("preempted")
     assert "admitted" in events[:i] and "admitted" in events[i:]
-    assert events[-1] == "finished" and preempted[0]["events"][-1]["output_tokens"] == 120
+    assert events[-1] == "finished" and preempted[0]["events"][-1]["output_tokens"] == 200
     missing = httpx.get(f"{server.base_url}/requests/cmpl-unknown/timeline")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
 
