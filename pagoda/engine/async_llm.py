@@ -31,7 +31,14 @@ from typing import Any, AsyncIterator, Callable
 
 from pagoda.config import EngineArgs
 from pagoda.engine.core_proc import CoreClient, EngineDeadError
-from pagoda.engine.input_processor import Prompt, eos_token_id_of, make_core_requests, tokenize_prompt, validate_prompt
+from pagoda.engine.input_processor import (
+    Prompt,
+    chat_prompt_ids,
+    eos_token_id_of,
+    make_core_requests,
+    tokenize_prompt,
+    validate_prompt,
+)
 from pagoda.engine.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
@@ -429,23 +436,14 @@ class AsyncLLM:
             raise ChatTemplateArgumentError(
                 f"chat_template_kwargs cannot set {', '.join(reserved)}: it holds template variables only"
             )
-        try:
-            ids = tok.apply_chat_template(
-                messages,
-                chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=True,
-                return_dict=False,
-                **(chat_template_kwargs or {}),
-            )
-        except ValueError:
-            raise
-        except Exception as exc:  # jinja errors (e.g. roles that do not alternate), TypeError
-            raise ValueError(f"cannot apply the chat template: {exc}") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return chat_prompt_ids(
+            tok,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=template,
+            template_kwargs=chat_template_kwargs,
+        )
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         info = self.info

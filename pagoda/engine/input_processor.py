@@ -1,5 +1,5 @@
 """Front-end request preparation shared by both front doors (`LLMEngine` in-process, `AsyncLLM` for the
-server): prompt tokenization, request validation, and the fan-out of one request into its n core
+server): prompt tokenization, chat rendering, request validation, and the fan-out of one request into its n core
 requests.
 
 Pure functions over a tokenizer and a few model numbers, so they run on either side of the process
@@ -9,7 +9,6 @@ split without the model or torch.
 from __future__ import annotations
 
 import numbers
-
 from typing import Any
 
 from pagoda.engine.messages import EngineCoreRequest
@@ -53,6 +52,36 @@ def tokenize_prompt(tokenizer: Any, prompt: Prompt, add_special_tokens: bool = T
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return None, list(prompt)
     raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template (or `chat_template`);
+    ValueError, with the template's own message, when it cannot be rendered."""
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            return_dict=False,
+            **(template_kwargs or {}),
+        )
+    except ValueError:
+        raise
+    except Exception as exc:  # jinja errors (roles that do not alternate, a message without content), TypeError
+        raise ValueError(f"cannot apply the chat template: {type(exc).__name__}: {exc}") from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def validate_prompt(

@@ -8,6 +8,7 @@ from typing import Iterable, Sequence
 from tqdm import tqdm
 
 from pagoda.config import EngineArgs
+from pagoda.engine.input_processor import chat_prompt_ids
 from pagoda.engine.llm_engine import LLMEngine, Prompt
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -125,10 +126,4 @@ class LLM:
                     raise ValueError("message content parts must be {'type': 'text', 'text': ...} (text only)")
                 m = {**m, "content": "\n".join(p["text"] for p in content)}
             msgs.append(m)
-        try:
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
-        except ValueError:
-            raise
-        except Exception as exc:  # jinja errors (a message without 'role' or 'content'...), TypeError
-            raise ValueError(f"cannot apply the chat template: {type(exc).__name__}: {exc}") from None
-        return list(ids)
+        return chat_prompt_ids(tok, msgs, add_generation_prompt=add_generation_prompt)

@@ -10,7 +10,6 @@ of finished requests are kept in a bounded most-recent-first store.
 from __future__ import annotations
 
 import re
-
 from collections import OrderedDict
 from typing import Any
 

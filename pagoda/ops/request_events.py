@@ -117,7 +117,6 @@ class _Live:
     seqs: dict[int, _Seq] = field(default_factory=dict)
 
 
-
 class RequestTracker:
     """Per-request state between the first output and the end; bounded by the requests in flight."""
 
