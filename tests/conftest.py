@@ -91,6 +91,17 @@ def smollm2_hf_greedy32(hf_smollm2, smollm2_prompt_ids):
     return [hf_greedy(hf_smollm2, ids, 32) for ids in smollm2_prompt_ids]
 
 
+@pytest.fixture(scope="session")
+def tiny_llama3_fp32(tmp_path_factory):
+    """A tiny random Llama-3 model (no tokenizer), loaded once in float32 for engine tests."""
+    from pagoda.model.loader import load_model
+    from tests.tiny_models import save_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny_llama3")
+    save_tiny_model("llama3", folder)
+    return load_model(str(folder), dtype="float32")
+
+
 def make_engine(loaded, tokenizer=None, **kwargs):
     from pagoda.config import EngineArgs
     from pagoda.engine.llm import LLM

@@ -98,16 +98,6 @@ def test_chat_and_string_prompts(smollm2_fp32, smollm2_tokenizer):
 # -- bad input at the offline front door: a ValueError before anything runs, and the engine unharmed --
 
 
-@pytest.fixture(scope="module")
-def tiny_loaded(tmp_path_factory):
-    from pagoda.model.loader import load_model
-    from tests.tiny_models import save_tiny_model
-
-    folder = tmp_path_factory.mktemp("tiny_llama_front_door")
-    save_tiny_model("llama3", folder)
-    return load_model(str(folder), dtype="float32")
-
-
 def _assert_engine_clean_and_working(llm, want):
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.core.kv_manager.usage == 0.0
@@ -135,28 +125,28 @@ BAD_CALLS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_CALLS))
-def test_bad_generate_input_is_a_value_error_and_leaves_the_engine_working(tiny_loaded, case):
-    llm = make_engine(tiny_loaded, num_gpu_blocks_override=64, max_model_len=128)
+def test_bad_generate_input_is_a_value_error_and_leaves_the_engine_working(tiny_llama3_fp32, case):
+    llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64, max_model_len=128)
     want = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError):
         BAD_CALLS[case](llm)
     _assert_engine_clean_and_working(llm, want)
 
 
-def test_logprobs_up_to_max_logprobs_are_served(tiny_loaded):
-    llm = make_engine(tiny_loaded, num_gpu_blocks_override=64)
+def test_logprobs_up_to_max_logprobs_are_served(tiny_llama3_fp32):
+    llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64)
     out = llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=2, logprobs=20), use_tqdm=False)[0].outputs[0]
     assert all(len(step) >= 20 for step in out.logprobs)
     # max_logprobs=-1 lifts the cap to the vocabulary, as in vLLM.
-    llm = make_engine(tiny_loaded, num_gpu_blocks_override=64, max_logprobs=-1)
+    llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64, max_logprobs=-1)
     out = llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=1, logprobs=512), use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs[0]) == 512
     with pytest.raises(ValueError, match="greater than max allowed: 512"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=513), use_tqdm=False)
 
 
-def test_a_failed_step_aborts_the_calls_requests(tiny_loaded):
-    llm = make_engine(tiny_loaded, num_gpu_blocks_override=64)
+def test_a_failed_step_aborts_the_calls_requests(tiny_llama3_fp32):
+    llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     want = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].outputs[0].token_ids
     runner = llm.engine.core.runner
@@ -199,12 +189,12 @@ def test_engine_args_refuse_bad_values(kwargs):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_device_without_cuda_is_a_value_error(tiny_loaded):
+def test_cuda_device_without_cuda_is_a_value_error(tiny_llama3_fp32):
     from pagoda.config import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
 
     with pytest.raises(ValueError, match="no CUDA device"):  # used to be torch's AssertionError
-        LLMEngine(EngineArgs(device="cuda", num_gpu_blocks_override=64), loaded=tiny_loaded, tokenizer=None)
+        LLMEngine(EngineArgs(device="cuda", num_gpu_blocks_override=64), loaded=tiny_llama3_fp32, tokenizer=None)
 
 
 @pytest.mark.parametrize(

@@ -8,16 +8,7 @@ import pytest
 from pagoda import SamplingParams
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.timeline import TimelineStore
-from pagoda.model.loader import load_model
 from tests.conftest import make_engine
-from tests.tiny_models import save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_ops_llama")
-    save_tiny_model("llama3", folder)
-    return load_model(str(folder), dtype="float32")
 
 
 def _run(core, requests):
@@ -29,9 +20,9 @@ def _run(core, requests):
     return outputs
 
 
-def test_preempted_request_timeline_shows_preemption_and_both_admissions(tiny):
+def test_preempted_request_timeline_shows_preemption_and_both_admissions(tiny_llama3_fp32):
     # 12 usable blocks of 16 tokens; two requests that each grow to 7 blocks cannot both fit.
-    core = make_engine(tiny, num_gpu_blocks_override=13, block_size=16, max_num_batched_tokens=64).engine.core
+    core = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=13, block_size=16, max_num_batched_tokens=64).engine.core
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     reqs = [EngineCoreRequest(f"r{i}", list(range(5 + i, 37 + i)), params) for i in range(2)]
     outputs = _run(core, reqs)
@@ -63,8 +54,8 @@ def test_preempted_request_timeline_shows_preemption_and_both_admissions(tiny):
     assert first.queued_time == tl["arrival_time"] == tl["events"][0]["time"]  # the core's own clock
 
 
-def test_chunked_prefill_and_prefix_hit_in_timeline(tiny):
-    core = make_engine(tiny, num_gpu_blocks_override=64, block_size=16, max_num_batched_tokens=32,
+def test_chunked_prefill_and_prefix_hit_in_timeline(tiny_llama3_fp32):
+    core = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64, block_size=16, max_num_batched_tokens=32,
                        enable_chunked_prefill=True).engine.core
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     prompt = list(range(1, 81))  # 80 tokens: 3 chunks of <= 32
@@ -79,8 +70,8 @@ def test_chunked_prefill_and_prefix_hit_in_timeline(tiny):
                                                  "first_token", "decode", "finished"]
 
 
-def test_aborted_and_unknown_and_bounded(tiny):
-    core = make_engine(tiny, num_gpu_blocks_override=64).engine.core
+def test_aborted_and_unknown_and_bounded(tiny_llama3_fp32):
+    core = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64).engine.core
     core.add_request(EngineCoreRequest("x", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
     core.step()
     core.step()
@@ -97,15 +88,15 @@ def test_aborted_and_unknown_and_bounded(tiny):
     assert [store.get(f"q{i}") is not None for i in range(5)] == [False, False, True, True, True]
 
 
-def test_n_gt_1_sequences_found_by_parent_id(tiny):
-    core = make_engine(tiny, num_gpu_blocks_override=64).engine.core
+def test_n_gt_1_sequences_found_by_parent_id(tiny_llama3_fp32):
+    core = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64).engine.core
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     _run(core, [EngineCoreRequest("p#0", [1, 2, 3], params), EngineCoreRequest("p#1", [1, 2, 3], params)])
     assert [t["request_id"] for t in core.timeline("p")] == ["p#0", "p#1"]
 
 
-def test_refused_request_leaves_no_timeline_and_keeps_the_live_one(tiny):
-    core = make_engine(tiny, num_gpu_blocks_override=64, max_model_len=64).engine.core
+def test_refused_request_leaves_no_timeline_and_keeps_the_live_one(tiny_llama3_fp32):
+    core = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64, max_model_len=64).engine.core
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     core.add_request(EngineCoreRequest("a", [1, 2, 3], params))
     with pytest.raises(ValueError, match="already in use"):
