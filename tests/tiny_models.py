@@ -18,31 +18,35 @@ _COMMON = dict(
 )
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, max_position_embeddings: int = 512):
+    """`max_position_embeddings` bounds the max_model_len an engine accepts for the model (512 keeps the
+    default max_model_len of the tests that rely on it small)."""
     import transformers
 
+    common = {**_COMMON, "max_position_embeddings": max_position_embeddings}
     if arch == "llama3":
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64, "rope_theta": 500000.0}
-        return transformers.LlamaConfig(**_COMMON, rope_parameters=rope, tie_word_embeddings=False)
+        return transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
     if arch == "llama_linear":
         rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
-        return transformers.LlamaConfig(**_COMMON, rope_parameters=rope, tie_word_embeddings=True)
+        return transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=True)
     if arch == "mistral":
-        return transformers.MistralConfig(**_COMMON, sliding_window=None, tie_word_embeddings=False)
+        return transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
     if arch == "qwen2":
-        return transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True)
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "qwen3":
-        return transformers.Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True)
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     raise ValueError(arch)
 
 
-def save_tiny_model(arch: str, folder: Path, seed: int = 0, shard: bool = False):
-    """Random weights with a larger init than the default so greedy choices are not near-ties."""
+def save_tiny_model(arch: str, folder: Path, seed: int = 0, shard: bool = False, max_position_embeddings: int = 512):
+    """Random weights with a larger init than the default so greedy choices are not near-ties. The
+    weights do not depend on `max_position_embeddings` (rotary embeddings have no parameters)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_config(arch)
+    config = tiny_config(arch, max_position_embeddings)
     config.initializer_range = 0.2
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": "100KB"} if shard else {}

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from pagoda.config import EngineArgs
-from pagoda.engine.core_proc import CoreClient, EngineDeadError
+from pagoda.engine.core_proc import CoreClient, EngineConfigError, EngineDeadError
 from pagoda.engine.input_processor import (
     Prompt,
     chat_prompt_ids,
@@ -52,6 +52,8 @@ from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+_LAST_WORDS_S = 1.0  # how long a core that exited while starting may take to deliver its last message
 
 __all__ = [
     "AsyncLLM",
@@ -150,11 +152,14 @@ class AsyncLLM:
         log_level: str = "info",
         log_setup: Callable[[], None] | None = None,
     ) -> None:
+        from pagoda.engine.devices import check_device_available
         from pagoda.model.loader import resolve_model
 
         self.args = args
-        # Resolve now: a bad model name fails here, before any process is spawned.
+        # Resolve now: a bad model name or a missing device fails here, before any process is
+        # spawned (and, in `pagoda serve`, before the HTTP server starts).
         self.source = resolve_model(args.model)
+        check_device_available(args.device)
         self._tokenizer_arg = tokenizer
         self.chat_template = chat_template
         self.request_timeout = request_timeout
@@ -229,19 +234,38 @@ class AsyncLLM:
             while True:
                 recv = asyncio.ensure_future(self.client.recv())
                 done, _ = await asyncio.wait({recv, dead_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if recv not in done:
-                    recv.cancel()
-                    raise EngineDeadError(self.dead_reason or "the engine core died while starting")
-                msg = recv.result()
+                if recv in done:
+                    msg = recv.result()
+                else:
+                    msg = await self._failure_after_exit(recv)
+                    if msg is None:
+                        raise EngineDeadError(self.dead_reason or "the engine core died while starting")
                 if msg.stats is not None:
                     self.latest_stats = msg.stats
                 if msg.failed is not None:
                     self._mark_dead(f"the engine core failed while starting: {msg.failed}")
+                    if msg.config_error is not None:
+                        # Bad arguments, not a crash: the server fails as for a usage error.
+                        raise EngineConfigError(msg.config_error)
                     raise EngineDeadError(self.dead_reason)
                 if msg.ready is not None:
                     return msg.ready
         finally:
             dead_wait.cancel()
+
+    async def _failure_after_exit(self, recv: asyncio.Future) -> EngineCoreOutputs | None:
+        """The core process exited while starting. Its message saying why was sent before it exited
+        (the socket lingers until delivered), so it is here or about to be: find it, rather than lose
+        the reason (and whether it was a usage error) to the race with the process sentinel."""
+        deadline = self._loop.time() + _LAST_WORDS_S
+        try:
+            while True:
+                msg = await asyncio.wait_for(recv, max(0.0, deadline - self._loop.time()))
+                if msg.failed is not None:
+                    return msg
+                recv = asyncio.ensure_future(self.client.recv())
+        except Exception:  # timed out (the core died without a word), or the socket is gone
+            return None
 
     def _watch_sentinel(self) -> None:
         """Notice the core's death at once: its process sentinel becomes readable when it exits."""

@@ -13,6 +13,7 @@ import time
 import torch
 
 from pagoda.config import EngineArgs
+from pagoda.engine.context_length import resolve_max_model_len
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.model_runner import ModelRunner
@@ -26,7 +27,6 @@ from pagoda.sched.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
-_MAX_DEFAULT_MODEL_LEN = 8192
 
 
 def pick_device(name: str) -> torch.device:
@@ -42,9 +42,7 @@ class EngineCore:
         torch.manual_seed(args.seed)
         self.loaded = loaded or load_model(args.model, args.dtype, self.device)
         config = self.loaded.config
-        self.max_model_len = args.max_model_len or min(
-            getattr(config, "max_position_embeddings", 2048), _MAX_DEFAULT_MODEL_LEN
-        )
+        self.max_model_len = resolve_max_model_len(args.max_model_len, config)
         self.kv_cache = self._make_kv_cache()
         self.kv_manager = KVCacheManager(
             self.kv_cache.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching

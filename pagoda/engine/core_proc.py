@@ -229,19 +229,26 @@ def run_engine_core(
         )
     proc = EngineCoreProc(args, input_addr, output_addr, parent_pid)
     code = 0
+    loaded = False
     try:
         proc.load()
+        loaded = True
         proc.run()
     except Exception as exc:
         code = 1
         from pagoda.model.errors import ModelLoadError
 
-        if isinstance(exc, (ModelLoadError, ValueError)):  # a user error (model, sizes): no traceback
+        user_error = isinstance(exc, (ModelLoadError, ValueError))  # a user error (model, sizes): no traceback
+        if user_error:
             logger.error("engine core failed: %s", exc)
         else:
             logger.error("engine core failed:\n%s", traceback.format_exc())
+        # Only while loading does a ValueError mean bad arguments; once running it is a bug.
+        config_error = str(exc) if user_error and not loaded else None
         try:
-            proc._send(EngineCoreOutputs(failed=f"{type(exc).__name__}: {exc}", timestamp=time.time()))
+            proc._send(EngineCoreOutputs(
+                failed=f"{type(exc).__name__}: {exc}", config_error=config_error, timestamp=time.time(),
+            ))
         except Exception:
             pass
     finally:
@@ -252,6 +259,12 @@ def run_engine_core(
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone (crashed, killed, or failed to start)."""
+
+
+class EngineConfigError(EngineDeadError):
+    """The engine core could not start with these arguments (the model does not load, the KV cache
+    is too small, ...): starting it again the same way fails the same way. Its text is the bare
+    reason, fit for a one-line usage error."""
 
 
 class CoreClient:

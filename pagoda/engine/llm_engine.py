@@ -6,10 +6,9 @@ import itertools
 import time
 from typing import Any
 
-import torch
-
 from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
+from pagoda.engine.devices import check_device_available
 from pagoda.engine.input_processor import Prompt, eos_token_id_of, make_core_requests, tokenize_prompt, validate_prompt
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.model.loader import LoadedModel, load_tokenizer
@@ -22,8 +21,7 @@ class LLMEngine:
         """`loaded` and `tokenizer` reuse an already loaded model (tests build many engines on one);
         tokenizer=None runs on token ids alone."""
         self.args = args
-        if str(args.device).startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {str(args.device)!r} was asked for but torch sees no CUDA device; use --device cpu or auto")
+        check_device_available(args.device)
         self.core = EngineCore(args, loaded)
         self.tokenizer = load_tokenizer(self.core.loaded.source) if tokenizer == "auto" else tokenizer
         self.eos_token_id = eos_token_id_of(self.tokenizer, self.core.loaded.config)

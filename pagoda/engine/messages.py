@@ -102,6 +102,9 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     ready: EngineCoreReady | None = None
     rejected: dict[str, str] = {}  # core request id -> why the core refused it
     failed: str | None = None  # the core hit a fatal error and is exiting
+    # With `failed`, while loading: the arguments cannot work (bad model, KV cache too small). The bare
+    # message, which the server prints as its one-line usage error (exit 2: a restart would fail again).
+    config_error: str | None = None
     timestamp: float = 0.0
     iteration_tokens: list[int] = []  # tokens scheduled in each step since the previous message
 

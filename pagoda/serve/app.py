@@ -11,7 +11,9 @@ Lifecycle: the app starts serving at once with status "starting" (/health and ev
 route answer 503) while the engine core loads; then "ready". "draining" (after SIGTERM, see
 `graceful_stop`) refuses new work with 503 but keeps /health at 200 while in-flight requests finish. If the engine core dies, status
 turns "dead": in-flight requests fail at once, /health answers 503, and after a short grace period
-(so health checkers can see it) the server is asked to exit with code 1.
+(so health checkers can see it) the server is asked to exit with code 1. If the engine core fails to
+start because of its arguments (the model does not load, the KV cache is too small), the server
+exits at once with code 2, as for a usage error.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fastapi.responses import JSONResponse
 
 import pagoda
 from pagoda.engine.async_llm import AsyncLLM, ChatTemplateArgumentError
+from pagoda.engine.core_proc import EngineConfigError
 from pagoda.serve.errors import APIError, bad_request, error_body, install_error_handlers, rate_limited, unavailable
 from pagoda.serve.protocol import DetokenizeRequest, TokenizeRequest
 from pagoda.serve.tenants import ANONYMOUS, Tenant, TenantRegistry
@@ -61,6 +64,8 @@ class ServerState:
         self.status = "starting"
         self.created = int(time.time())
         self.exit_code: int | None = None
+        # Why the engine could not start with these arguments (EngineConfigError); exit code 2.
+        self.startup_error: str | None = None
         # Set by the runner (uvicorn wrapper): ask the server to stop with this exit code.
         self.exit_callback: Callable[[int], None] | None = None
         self.on_ready: list[Callable[[], None]] = []
@@ -71,13 +76,23 @@ class ServerState:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start_engine(self) -> None:
-        self.engine.add_dead_callback(self._engine_dead)
         try:
             await self.engine.start()
+        except EngineConfigError as exc:
+            # These arguments can never work: a supervisor restarting us, or health checkers watching
+            # a 503 for a grace period, gain nothing. Exit now with a usage error's code; the CLI
+            # prints `startup_error` as its one line.
+            self.startup_error = str(exc)
+            self._set_dead(str(exc))
+            self.request_exit(2)
+            return
         except Exception as exc:
             logger.error("engine failed to start: %s", exc)
             self._engine_dead(f"the engine failed to start: {exc}")
             return
+        # Only now: a death while starting is handled above, once, rather than also by this callback
+        # (which would schedule a second, delayed exit with code 1). Called at once if already dead.
+        self.engine.add_dead_callback(self._engine_dead)
         if self.status == "starting":
             self.status = "ready"
             for cb in self.on_ready:
@@ -87,15 +102,18 @@ class ServerState:
     def _engine_dead(self, reason: str) -> None:
         if self.status == "dead":
             return
+        self._set_dead(reason)
+        delay = self.config.dead_engine_exit_delay
+        logger.error("engine core is dead (%s); exiting in %.1f s", reason, delay)
+        asyncio.get_running_loop().call_later(delay, self.request_exit, 1)
+
+    def _set_dead(self, reason: str) -> None:
         self.status = "dead"
         for cb in self.on_dead:
             try:
                 cb(reason)
             except Exception:
                 logger.exception("on_dead hook failed")
-        delay = self.config.dead_engine_exit_delay
-        logger.error("engine core is dead (%s); exiting in %.1f s", reason, delay)
-        asyncio.get_running_loop().call_later(delay, self.request_exit, 1)
 
     def request_exit(self, code: int) -> None:
         if self.exit_code is None or code > self.exit_code:

@@ -109,10 +109,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         "serving %s (%s) on http://%s:%d%s", names[0], source.path, ns.host, ns.port,
         f" with {len(tenants)} API key(s)" if tenants.enabled else "",
     )
-    return run_server(
+    code = run_server(
         state, ns.host, ns.port, log_level=ns.log_level, app=app, drain_timeout=ns.drain_timeout,
         own_logging=True, root_path=ns.root_path,
     )
+    if state.startup_error is not None:
+        # The engine core could not start with these arguments (found only once it loaded the
+        # model): end as the checks above do, with one line and exit code 2 (pagoda.cli.main).
+        raise ValueError(state.startup_error)
+    return code
 
 
 def _env_keys() -> list[str] | None:

@@ -1,7 +1,8 @@
 """Runs the app under uvicorn and turns the server's fate into the process's exit code:
-0 after a normal stop (SIGINT/SIGTERM), 1 when the engine core died or failed to start (so a
-supervisor restarts it). A watchdog makes sure a dead-engine exit happens even if a connection
-refuses to close.
+0 after a normal stop (SIGINT/SIGTERM), 1 when the engine core died or crashed while starting (so a
+supervisor restarts it), 2 when it could not start with these arguments (`ServerState.startup_error`:
+a bad model, a KV cache too small; a restart would fail the same way). A watchdog makes sure a
+dead-engine exit happens even if a connection refuses to close.
 
 SIGTERM drains (`ServerState.graceful_stop`): new requests get 503, in-flight ones finish (up to
 the drain timeout), then the process exits 0. SIGINT, or a second SIGTERM, stops at once:

@@ -188,7 +188,8 @@ def test_c9_every_message_round_trips_with_every_field_set():
     stats_result = UtilityResult(4, result=msgspec.structs.asdict(stats))
     outputs = _all_fields_set(EngineCoreOutputs(
         outputs=[out, EngineCoreOutput("r#2", [])], stats=stats, utility=result, ready=ready,
-        rejected={"r#3": "too long"}, failed="boom", timestamp=3.25, iteration_tokens=[7, 1, 1],
+        rejected={"r#3": "too long"}, failed="boom", config_error="KV cache too small", timestamp=3.25,
+        iteration_tokens=[7, 1, 1],
     ))
     for msg in (req, out, stats, ready, call, result, stats_result, outputs):
         assert decoder(type(msg)).decode(encode(msg)) == msg, type(msg).__name__

@@ -26,7 +26,9 @@ HIST_PER_REQUEST = (
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_ops_server")
-    save_tiny_model("llama3", folder)
+    # The drain tests run 1,510-token requests with --max-model-len 2048, which the engine refuses
+    # for a model whose context (max_position_embeddings) is shorter.
+    save_tiny_model("llama3", folder, max_position_embeddings=4096)
     save_tiny_tokenizer(folder)  # streams then carry text for every token
     return folder
 

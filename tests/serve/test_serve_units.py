@@ -1,7 +1,8 @@
 """Fast tests of the service layer's parts that need no model: the API keys file, token buckets,
 tenant priorities, request models and the error shape (over HTTP, with no engine behind the app),
-delta merging, a request the engine client cannot send; and `pagoda serve` failing cleanly (exit 2
-for bad arguments, exit 1 when the engine core cannot start)."""
+delta merging, a request the engine client cannot send; and `pagoda serve` failing cleanly: exit 2
+with one line on stderr for bad arguments, a missing device (before anything starts), and a model or
+KV cache size the engine core cannot start with."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import asyncio
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.serve.tenants import ANONYMOUS, Tenant, TokenBucket, build_registry, parse_api_keys
-from serve_helpers import REPO, ServerProcess
+from serve_helpers import REPO, ServerProcess, free_port
 
 
 class FakeClock:
@@ -356,13 +359,99 @@ def test_bad_arguments_exit_2(tmp_path):
     assert r.returncode == 2 and "no such file, and not a Jinja template" in r.stderr
 
 
-def test_engine_that_cannot_start_exits_1(tmp_path):
+def _assert_usage_error(r: subprocess.CompletedProcess, message: str) -> None:
+    """Exit 2, no traceback, stderr ending with one `pagoda: error:` line that says `message`, and the
+    server never reported ready."""
+    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+    assert r.returncode == 2, r.stderr
+    assert last.startswith("pagoda: error: ") and message in last, r.stderr
+    assert "Traceback" not in r.stderr and "ready to serve" not in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from tests.tiny_models import save_tiny_model, save_tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_serve_units")
+    save_tiny_model("llama3", folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+def test_engine_core_that_cannot_load_its_model_exits_2(tmp_path):
+    # resolve_model accepts the file (a .gguf that exists); only the core, parsing it, finds it broken.
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"this is not a gguf file" * 10)
-    srv = ServerProcess([str(bad)]).start()
+    started = time.monotonic()
+    r = _serve(str(bad), "--host", "127.0.0.1", "--port", str(free_port()))
+    _assert_usage_error(r, "not a readable GGUF file")
+    assert time.monotonic() - started < 60  # used to linger 2 s in a dead state, then exit 1
+
+
+def test_kv_cache_too_small_exits_2_at_once(tiny_model):
+    # Found in the engine-core process, after uvicorn is up: the server still ends as for a usage
+    # error, at once (not after the dead-engine grace period), with the core's reason as its line.
+    started = time.monotonic()
+    r = _serve(str(tiny_model), "--num-gpu-blocks-override", "1", "--dtype", "float32", "--max-model-len", "256",
+               "--host", "127.0.0.1", "--port", str(free_port()))
+    _assert_usage_error(r, "KV cache too small")
+    assert time.monotonic() - started < 60
+
+
+def test_max_model_len_beyond_the_models_context_exits_2(tiny_model):
+    r = _serve(str(tiny_model), "--max-model-len", "999999", "--dtype", "float32",
+               "--host", "127.0.0.1", "--port", str(free_port()))
+    _assert_usage_error(r, "User-specified max_model_len (999999) is greater than the derived max_model_len "
+                           "(max_position_embeddings=512 in the model's config)")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_exits_2_before_starting(tiny_model):
+    started = time.monotonic()
+    r = _serve(str(tiny_model), "--device", "cuda", "--host", "127.0.0.1", "--port", str(free_port()))
+    _assert_usage_error(r, "device 'cuda' was asked for but torch sees no CUDA device")
+    # Checked in the API process before the core is spawned or uvicorn starts: that line is all.
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_device_check_names_a_missing_cuda_ordinal(monkeypatch):
+    import torch
+
+    from pagoda.engine.devices import check_device_available
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        check_device_available(device)
+    with pytest.raises(ValueError, match=r"'cuda:2' was asked for but torch sees 2 CUDA device\(s\): cuda:0 to cuda:1"):
+        check_device_available("cuda:2")
+
+
+def test_config_failure_sent_just_before_the_core_exited_is_not_lost(tiny_model):
+    """The core sends why it failed, then exits; if the API process notices the exit (process
+    sentinel) before it reads that message, the reason and its exit code 2 must survive the race."""
+    from pagoda.config import EngineArgs
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.engine.core_proc import EngineConfigError
+    from pagoda.engine.messages import EngineCoreOutputs
+
+    class LateClient:  # the failure message arrives only after the death was noticed
+        async def recv(self) -> EngineCoreOutputs:
+            await asyncio.sleep(0.05)
+            return EngineCoreOutputs(failed="ValueError: KV cache too small", config_error="KV cache too small")
+
+    engine = AsyncLLM(EngineArgs(model=str(tiny_model)))
+    real_client, engine.client = engine.client, LateClient()
+
+    async def main() -> None:
+        engine._loop = asyncio.get_running_loop()
+        engine._mark_dead("the engine core process exited (exit code 1)")
+        with pytest.raises(EngineConfigError, match="^KV cache too small$"):
+            await engine._wait_ready()
+
     try:
-        code = srv.wait_exit(120)
-        assert code == 1, srv.log_tail()
-        assert "failed to start" in srv.log_tail()
+        asyncio.run(main())
     finally:
-        srv.stop()
+        real_client.shutdown()  # never started: only removes its socket folder
+        engine._tokenizer_thread.shutdown(wait=False)

@@ -1,0 +1,29 @@
+"""Whether the device the user named exists, checked before anything is built on it.
+
+One check for both front doors: `LLMEngine` (offline) and `AsyncLLM` (the server, in the API
+process, before the engine-core process is spawned). Without it, `--device cuda` on a machine
+without CUDA surfaces as torch's AssertionError from deep inside the model loader, in the server's
+case only after the HTTP server is up.
+
+torch is imported only when a CUDA device is named: the API process otherwise never imports it
+(seconds of start-up), and `auto` or `cpu` always have a device to run on.
+"""
+
+from __future__ import annotations
+
+
+def check_device_available(device: str) -> None:
+    """Raise ValueError (a usage error: one line, exit 2 from the CLI) when `device` is `cuda` or
+    `cuda:N` and torch cannot see that device."""
+    device = str(device)
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA device; use --device cpu or auto")
+    _, _, index = device.partition(":")
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        # Else torch's "invalid device ordinal" comes from the first tensor put there, mid-load.
+        raise ValueError(f"device {device!r} was asked for but torch sees {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
