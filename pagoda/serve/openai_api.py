@@ -147,6 +147,8 @@ async def _start(state: ServerState, prep: _Prepared, request_id: str) -> list[R
     except BaseException as exc:
         for s in streams:
             s.close()
+        # Nothing of it ran (children already sent are aborted at once): its tokens were not used.
+        prep.tenant.refund_prompt_tokens(prep.num_prompt_tokens)
         if isinstance(exc, Exception):
             raise engine_error(exc) from None
         raise

@@ -72,6 +72,12 @@ class TokenBucket:
             self._refill()
             self._level -= amount
 
+    def refund(self, amount: float) -> None:
+        """Give back what was taken for work that never ran (never above the capacity)."""
+        with self._lock:
+            self._refill()
+            self._level = min(self.capacity, self._level + amount)
+
 
 @dataclass
 class Tenant:
@@ -108,6 +114,11 @@ class Tenant:
     def charge_tokens(self, num_tokens: int) -> None:
         if self._tokens is not None and num_tokens > 0:
             self._tokens.charge(float(num_tokens))
+
+    def refund_prompt_tokens(self, num_tokens: int) -> None:
+        """The request was charged but never reached the engine."""
+        if self._tokens is not None and num_tokens > 0:
+            self._tokens.refund(float(num_tokens))
 
     def effective_priority(self, requested: int | None) -> int:
         if self.priority is None:

@@ -273,6 +273,29 @@ def test_request_that_cannot_be_sent_leaves_nothing_in_flight(tmp_path):
     assert engine.num_inflight_requests() == 0 and engine.num_unfinished_sequences() == 0
 
 
+def test_request_that_cannot_be_sent_refunds_its_tokens(tmp_path):
+    """A tenant's tokens-per-minute budget pays for work the engine does: a request that fails while
+    being sent (a 500, nothing generated) gives its prompt tokens back."""
+    from fastapi.testclient import TestClient
+
+    from pagoda.serve.app import ServerConfig, ServerState, build_app
+    from pagoda.serve.tenants import TenantRegistry
+
+    def send(kind: bytes, payload: bytes = b"") -> None:
+        raise RuntimeError("the core is unreachable")
+
+    tenant = Tenant("t", tokens_per_minute=60, clock=FakeClock())
+    tenants = TenantRegistry()
+    tenants.add("sk-t", tenant)
+    state = ServerState(ServerConfig(served_model_names=["m"]), _stub_engine(tmp_path, send), tenants)
+    state.status = "ready"
+    api = TestClient(build_app(state), raise_server_exceptions=False)
+    r = api.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 2},
+                 headers={"Authorization": "Bearer sk-t"})
+    assert r.status_code == 500, r.text
+    assert tenant._tokens.level == pytest.approx(60.0)  # was 55: charged for a request that never ran
+
+
 def test_closing_a_stream_after_its_request_finished_aborts_nothing(tmp_path):
     """A request can finish in the core while its consumer has not read the final output yet (a
     client that goes away at that moment). Closing its stream then must neither send an abort nor
