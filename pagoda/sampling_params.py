@@ -45,6 +45,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.seed, numbers.Integral) and not isinstance(self.seed, bool):
+            self.seed = int(self.seed)  # a numpy integer, say: the engine and msgpack want a plain int
         self._validate()
 
     def _validate(self) -> None:

@@ -145,6 +145,18 @@ def test_logprobs_up_to_max_logprobs_are_served(tiny_llama3_fp32):
         llm.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=513), use_tqdm=False)
 
 
+def test_numpy_integer_seed_is_a_seed(tiny_llama3_fp32):
+    # SamplingParams accepted it, then the offline engine refused it (and msgpack cannot send it).
+    import numpy as np
+
+    llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64)
+    sp = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=np.int64(7))
+    assert type(sp.seed) is int
+    same = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=7)
+    outs = llm.generate([[1, 2, 3], [1, 2, 3]], [sp, same], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
 def test_a_failed_step_aborts_the_calls_requests(tiny_llama3_fp32):
     llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
