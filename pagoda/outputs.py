@@ -35,3 +35,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # scores it), else that token's Logprob and the top-N alternatives. A delta stream sends it once.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

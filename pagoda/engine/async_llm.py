@@ -110,6 +110,8 @@ def merge_delta(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
     acc.finished = new.finished
     acc.num_cached_tokens = new.num_cached_tokens
     acc.metrics = new.metrics
+    if acc.prompt_logprobs is None:
+        acc.prompt_logprobs = new.prompt_logprobs  # sent once, with the first delta that has them
     return acc
 
 
@@ -479,6 +481,7 @@ class AsyncLLM:
             block_size=info.block_size,
             num_usable_blocks=info.num_usable_blocks,
             strict_max_tokens=True,
+            max_logprobs=self.args.max_logprobs,
         )
 
     # -- requests ----------------------------------------------------------------------------------

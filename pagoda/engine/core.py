@@ -197,6 +197,11 @@ class EngineCore:
             return []
         self._record_schedule(so, started)
         result = self.runner.execute(so)
+        if result.prompt_logprobs:
+            for s in so.scheduled:
+                chunk = result.prompt_logprobs.get(s.request_id)
+                if chunk is not None:
+                    s.request.add_prompt_logprobs(*chunk)
         before = {s.request_id: len(s.request.output_token_ids) for s in so.scheduled}
         changed = self.scheduler.update(so, result.sampled_token_ids)
         self.num_steps += 1
@@ -227,6 +232,8 @@ class EngineCore:
             if n_before == 0:  # the first output: when the request was queued and first scheduled
                 out.queued_time = tl.arrival_time
                 out.scheduled_time = tl.first_scheduled or 0.0
+                if request.has_prompt_logprobs:
+                    out.prompt_logprobs = request.take_prompt_logprobs()
             if request.finish_reason is not None:
                 self.timelines.end(rid, now, request.finish_reason, n_out)
             outputs.append(out)

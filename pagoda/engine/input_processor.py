@@ -93,18 +93,20 @@ def validate_prompt(
     block_size: int | None = None,
     num_usable_blocks: int | None = None,
     strict_max_tokens: bool = False,
+    max_logprobs: int = -1,
 ) -> None:
     """Raise ValueError (with a message fit for a user) when the request cannot run.
 
     `strict_max_tokens`: a max_tokens that does not fit the context is an error (the server's rule,
     as OpenAI's) rather than silently capped at the context (the offline engine's rule).
     With `block_size` and `num_usable_blocks` a request that could never fit the KV cache is refused
-    here rather than by the core.
+    here rather than by the core. `max_logprobs` caps logprobs and prompt_logprobs (-1: the vocabulary).
     """
-    if params.prompt_logprobs is not None:
-        # Accepted by SamplingParams for vLLM compatibility, but the runner computes logits only for
-        # sampling rows: refuse rather than return outputs without the logprobs that were asked for.
-        raise ValueError("prompt_logprobs is not supported yet (logprobs of sampled tokens are)")
+    limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise ValueError(f"Requested {what} logprobs of {value}, which is greater than max allowed: {limit}")
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -148,7 +150,9 @@ def make_core_requests(
         child_params = params
         if n > 1:
             seed = None if params.seed is None else params.seed + i
-            child_params = params.clone(n=1, seed=seed)
+            # The prompt's logprobs are the same for every child: the first computes them, and the
+            # others reuse its prompt blocks (a request with prompt_logprobs reads no cached prefix).
+            child_params = params.clone(n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if i == 0 else None)
         reqs.append(
             EngineCoreRequest(
                 request_id=cid,

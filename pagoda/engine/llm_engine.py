@@ -50,6 +50,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_size=self.core.kv_manager.block_size,
             num_usable_blocks=self.core.kv_manager.num_usable_blocks,
+            max_logprobs=self.args.max_logprobs,
         )
         request_id = request_id if request_id is not None else str(next(self._ids))
         child_ids = self.processor.add_request(request_id, text, prompt_ids, params, self.eos_token_id, delta)
@@ -61,13 +62,6 @@ class LLMEngine:
         """Refuse here what would otherwise fail inside a step, taking the whole batch down with it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        vocab_size = self.core.loaded.config.vocab_size
-        if params.logprobs is not None:
-            if isinstance(params.logprobs, bool):
-                raise ValueError(f"logprobs must be an integer >= 0, got {params.logprobs!r}")
-            limit = vocab_size if self.args.max_logprobs == -1 else min(self.args.max_logprobs, vocab_size)
-            if params.logprobs > limit:
-                raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: {limit}")
         seed = params.seed
         if seed is not None:
             # torch generators take seeds in [-2**63, 2**64); child i of an n > 1 request uses seed + i.

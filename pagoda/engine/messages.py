@@ -31,6 +31,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # prefill time metrics.
     queued_time: float = 0.0
     scheduled_time: float = 0.0
+    # On the first output of a request that asked for prompt_logprobs: one row per prompt position
+    # p >= 0, scoring prompt token p + 1: ([that token, top-1, ..., top-N], their logprobs, its rank).
+    prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
 
 
 # -- between the API process and the engine-core process (pagoda.engine.core_proc) -------------------

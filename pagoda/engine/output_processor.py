@@ -45,6 +45,8 @@ class _Group:
     num_cached_tokens: int = 0
     queued_time: float | None = None  # core clock: entered the core's queue
     scheduled_time: float | None = None  # core clock: first admitted (the earliest of its sequences)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # delta outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -56,6 +58,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._groups: dict[str, _Group] = {}
         self._child_to_seq: dict[str, tuple[_Group, _Sequence]] = {}
+        self._token_text: dict[int, str] = {}  # single tokens decoded, for logprob entries
 
     def add_request(
         self,
@@ -119,6 +122,8 @@ class OutputProcessor:
             seq.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and seq.logprobs is not None:
                 self._add_logprobs(seq, out.new_logprobs)
+            if out.prompt_logprobs is not None and group.prompt_logprobs is None:
+                group.prompt_logprobs = self._prompt_logprobs(out.prompt_logprobs)
             finished = out.finish_reason is not None
             if seq.detok is not None and seq.finish_reason is None:
                 stop = seq.detok.update(out.new_token_ids, finished)
@@ -138,23 +143,40 @@ class OutputProcessor:
         return results, stopped
 
     def _add_logprobs(self, seq: _Sequence, new: list[tuple[list[int], list[float]]]) -> None:
+        text = self._texts([t for ids, _ in new for t in ids])
         for ids, lps in new:
-            entry = {ids[0]: Logprob(lps[0], rank=None, decoded_token=self._decode_one(ids[0]))}
+            entry = {ids[0]: Logprob(lps[0], rank=None, decoded_token=text(ids[0]))}
             for rank, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
                 if tid in entry:
                     entry[tid].rank = rank
                 else:
-                    entry[tid] = Logprob(lp, rank=rank, decoded_token=self._decode_one(tid))
+                    entry[tid] = Logprob(lp, rank=rank, decoded_token=text(tid))
             if entry[ids[0]].rank is None:
                 # Rank of the sampled token is 1 + how many alternatives beat it.
                 entry[ids[0]].rank = 1 + sum(1 for lp in lps[1:] if lp > lps[0])
             seq.logprobs.append(entry)
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lps[0]
 
-    def _decode_one(self, token_id: int) -> str | None:
+    def _prompt_logprobs(self, rows: list[tuple[list[int], list[float], int]]) -> list[dict[int, Logprob] | None]:
+        text = self._texts([t for ids, _, _ in rows for t in ids])
+        entries: list[dict[int, Logprob] | None] = [None]  # the first prompt token has no context
+        for ids, lps, rank in rows:
+            entry = {ids[0]: Logprob(lps[0], rank=rank, decoded_token=text(ids[0]))}
+            for top_rank, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                entry.setdefault(tid, Logprob(lp, rank=top_rank, decoded_token=text(tid)))
+            entries.append(entry)
+        return entries
+
+    def _texts(self, token_ids: list[int]):
+        """A lookup of each token's own text. Decoded texts are kept (at most one per vocabulary
+        entry): a long prompt's logprobs name thousands of tokens, mostly the same few."""
         if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token_id])
+            return lambda tid: None
+        cache = self._token_text
+        for t in token_ids:
+            if t not in cache:
+                cache[t] = self.tokenizer.decode([t])
+        return cache.__getitem__
 
     def _make_output(self, group: _Group) -> RequestOutput:
         outs = []
@@ -189,6 +211,12 @@ class OutputProcessor:
             "scheduled_time": group.scheduled_time,
             "max_tokens": group.params.max_tokens,
         }
+        prompt_logprobs = group.prompt_logprobs
+        if group.delta:
+            if group.prompt_logprobs_sent:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                group.prompt_logprobs_sent = True
         return RequestOutput(
             group.request_id,
             group.prompt,
@@ -197,4 +225,5 @@ class OutputProcessor:
             group.finished,
             num_cached_tokens=group.num_cached_tokens,
             metrics=metrics,
+            prompt_logprobs=prompt_logprobs,
         )

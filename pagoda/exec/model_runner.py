@@ -19,6 +19,7 @@ from pagoda.exec.cpu_linear import logits_fn, pack_linears
 from pagoda.exec.cpu_memory import keep_freed_memory
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
+from pagoda.exec.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
 from pagoda.model.attention import AttentionContext
 from pagoda.sched.output import ScheduledRequest, SchedulerOutput
@@ -43,6 +44,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # request id -> (token ids, logprobs): the sampled token first, then the top-N alternatives.
     logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # request id -> (first prompt position, one row per position from there): see prompt_logprobs.py.
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprobRow]]] = field(default_factory=dict)
 
 
 class _BlockTables:
@@ -201,6 +204,9 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)  # padding rows already dropped
         else:
             hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
+        wanted = [(i, s) for i, s in enumerate(order) if s.request.wants_prompt_logprobs]
+        if wanted:
+            self._prompt_logprobs(wanted, hidden, meta, out)
         sampling = [i for i, s in enumerate(order) if s.samples]
         if not sampling:
             return out  # every request is mid-prompt: nothing to sample
@@ -229,3 +235,24 @@ class ModelRunner:
                 if n is not None:
                     out.logprobs[s.request_id] = (ids[row][: 1 + n], lps[row][: 1 + n])
         return out
+
+    def _prompt_logprobs(self, wanted: list[tuple[int, ScheduledRequest]], hidden: torch.Tensor,
+                         meta: PagedAttentionMetadata, out: ModelRunnerOutput) -> None:
+        """Logprobs of the prompt tokens this step's rows score, skipping positions already known
+        (a preempted request computes its prompt again)."""
+        qsl = meta.query_start_loc_cpu
+        for i, s in wanted:
+            request = s.request
+            c = s.num_computed_tokens
+            lo = max(c, request.num_prompt_logprobs)
+            hi = min(c + s.num_new_tokens, request.num_prompt_tokens - 1)
+            if lo >= hi:
+                continue
+            first = qsl[i] + lo - c
+            rows = prompt_logprob_rows(
+                self.compute_logits,
+                hidden[first : first + hi - lo],
+                request.prompt_token_ids[lo + 1 : hi + 1],
+                request.sampling_params.prompt_logprobs,
+            )
+            out.prompt_logprobs[s.request_id] = (lo, rows)

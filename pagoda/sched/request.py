@@ -69,6 +69,15 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
         self.timeline: Any = None  # the engine core's record of this request (pagoda.engine.timeline)
+        # SamplingParams.prompt_logprobs: the prompt tokens' logprobs come from the rows the model
+        # computes for them, so until they are all known the request reads no cached prefix (a hit's
+        # rows are never computed). See pagoda/exec/prompt_logprobs.py.
+        self.has_prompt_logprobs = sampling_params.prompt_logprobs is not None
+        # Prompt positions whose logprobs are known (row p scores prompt token p + 1); the rows wait
+        # in pending_prompt_logprobs until the first output carries them. Counted, not recomputed,
+        # when a preempted request computes its prompt again.
+        self.num_prompt_logprobs = 0
+        self.pending_prompt_logprobs: list[tuple[list[int], list[float], int]] = []
 
         # (eos or None, stop token ids, min_tokens, max output tokens): what update() checks per
         # token, precomputed; the scheduler folds max_model_len into the last field at admission.
@@ -108,6 +117,25 @@ class Request:
         self.all_token_ids.extend(token_ids)
         if self._block_size and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._block_size:
             self._hash_new_full_blocks()
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Some prompt position still lacks its logprobs."""
+        return self.has_prompt_logprobs and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, start: int, rows: list[tuple[list[int], list[float], int]]) -> None:
+        """Keep the rows of prompt positions [start, start + len(rows)) not seen before."""
+        skip = self.num_prompt_logprobs - start
+        if skip < 0:
+            raise ValueError(f"prompt logprobs of {self.request_id!r} from position {start}, "
+                             f"{self.num_prompt_logprobs} known: a gap")
+        fresh = rows[skip:]
+        self.pending_prompt_logprobs.extend(fresh)
+        self.num_prompt_logprobs += len(fresh)
+
+    def take_prompt_logprobs(self) -> list[tuple[list[int], list[float], int]]:
+        rows, self.pending_prompt_logprobs = self.pending_prompt_logprobs, []
+        return rows
 
     def bind_block_hashing(self, block_size: int, hasher: BlockHasher = hash_block_tokens) -> None:
         """Start hashing full blocks of block_size tokens (idempotent for the same size)."""

@@ -202,7 +202,7 @@ class Scheduler:
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             request = waiting.peek()
             # Waiting requests hold no blocks and num_computed_tokens == 0 (also after preemption).
-            hits, num_hit = kv.get_computed_blocks(request)
+            hits, num_hit = ([], 0) if request.wants_prompt_logprobs else kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if cap and num_new > cap:
                 num_new = cap

@@ -33,11 +33,18 @@ from pagoda.engine.async_llm import (
     RequestTimeoutError,
     merge_delta,
 )
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.serve.app import ServerState, get_state, get_tenant
 from pagoda.serve.errors import APIError, bad_request, rate_limited, unavailable
-from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, sse, usage
+from pagoda.serve.openai_format import (
+    SSE_DONE,
+    CompletionLogprobs,
+    chat_logprobs,
+    prompt_logprobs_json,
+    sse,
+    usage,
+)
 from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pagoda.serve.request_context import request_id_var
 from pagoda.serve.tenants import Tenant
@@ -265,6 +272,23 @@ def _echo_texts(state: ServerState, prep: _Prepared) -> list[str]:
     return [text if text is not None else state.engine.detokenize(ids) for text, ids in prep.prompts]
 
 
+def _generated(body: CompletionRequest, seq: CompletionOutput) -> tuple[list[int], list | None, str, str | None, Any]:
+    """A choice's (token ids, logprobs, text, finish reason, stop reason) as the client sees them:
+    with echo and max_tokens=0 the one token the engine sampled is dropped, and the length limit is
+    what ended the choice."""
+    if body.echo_only:
+        return [], [], "", None if seq.finish_reason is None else "length", None
+    return seq.token_ids, seq.logprobs, seq.text, seq.finish_reason, seq.stop_reason
+
+
+def _echo_logprobs_prompt(state: ServerState, prep: _Prepared, i: int, entries: list | None) -> tuple | None:
+    """The prompt part of an echoing choice's logprobs (see CompletionLogprobs.make)."""
+    if entries is None:
+        return None
+    ids = prep.prompts[i][1]
+    return ids, entries, state.engine.detokenize(ids[:1])
+
+
 async def _completion_whole(state: ServerState, body: CompletionRequest, prep: _Prepared, request_id: str,
                             streams: list[RequestStream]) -> dict:
     completion_tokens = 0
@@ -282,21 +306,24 @@ async def _completion_whole(state: ServerState, body: CompletionRequest, prep: _
     for i, out in enumerate(finals):
         cached += out.num_cached_tokens
         for seq in out.outputs:
-            completion_tokens += len(seq.token_ids)
+            token_ids, seq_logprobs, text, reason, stop_reason = _generated(body, seq)
+            completion_tokens += len(token_ids)
             logprobs = None
             if body.logprobs is not None:
+                prompt = _echo_logprobs_prompt(state, prep, i, out.prompt_logprobs) if body.echo_logprobs else None
                 logprobs = CompletionLogprobs(body.logprobs, 0, body.return_tokens_as_token_ids).make(
-                    seq.token_ids, seq.logprobs
+                    token_ids, seq_logprobs, prompt
                 )
-            choices.append(
-                {
-                    "index": i * n + seq.index,
-                    "text": (echo[i] if echo else "") + seq.text,
-                    "logprobs": logprobs,
-                    "finish_reason": seq.finish_reason,
-                    "stop_reason": seq.stop_reason,
-                }
-            )
+            choice = {
+                "index": i * n + seq.index,
+                "text": (echo[i] if echo else "") + text,
+                "logprobs": logprobs,
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, body.prompt_logprobs)
+            choices.append(choice)
     prep.tenant.charge_tokens(completion_tokens)
     choices.sort(key=lambda c: c["index"])
     return {
@@ -332,28 +359,33 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
     echoed: set[int] = set()
     finished: set[int] = set()
     lp_state: dict[int, CompletionLogprobs] = {}
+    prompt_entries: dict[int, list] = {}  # per prompt: its prompt_logprobs, which come with its first delta
     completion_tokens = 0
     cached: dict[int, int] = {}  # per prompt; the usage sums them, as the whole response does
     include_usage = body.include_usage
     try:
         async for i, out in merge_streams(streams):
             cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
+            if out.prompt_logprobs is not None:
+                prompt_entries.setdefault(i, out.prompt_logprobs)
             for seq in out.outputs:
                 idx = i * n + seq.index
                 if idx in finished:
                     continue
-                completion_tokens += len(seq.token_ids)
-                text = seq.text
+                token_ids, seq_logprobs, text, reason, stop_reason = _generated(body, seq)
+                completion_tokens += len(token_ids)
+                prompt = None
                 if echo is not None and idx not in echoed:
                     echoed.add(idx)
                     text = echo[i] + text
-                reason = seq.finish_reason
-                if not text and reason is None and (body.logprobs is None or not seq.token_ids):
+                    if body.echo_logprobs:
+                        prompt = _echo_logprobs_prompt(state, prep, i, prompt_entries.get(i))
+                if not text and reason is None and (body.logprobs is None or not token_ids):
                     continue  # nothing to show yet (text held back until it is certain)
                 logprobs = None
                 if body.logprobs is not None:
                     lp = lp_state.setdefault(idx, CompletionLogprobs(body.logprobs, 0, body.return_tokens_as_token_ids))
-                    logprobs = lp.make(seq.token_ids, seq.logprobs)
+                    logprobs = lp.make(token_ids, seq_logprobs, prompt)
                 if reason is not None:
                     finished.add(idx)
                 chunk: dict[str, Any] = {
@@ -367,7 +399,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
                             "text": text,
                             "logprobs": logprobs,
                             "finish_reason": reason,
-                            "stop_reason": seq.stop_reason if reason is not None else None,
+                            "stop_reason": stop_reason if reason is not None else None,
                         }
                     ],
                 }
@@ -445,7 +477,7 @@ async def _chat_whole(body: ChatCompletionRequest, prep: _Prepared, request_id: 
         }
         for seq in final.outputs
     ]
-    return {
+    response = {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -454,6 +486,9 @@ async def _chat_whole(body: ChatCompletionRequest, prep: _Prepared, request_id: 
         "usage": usage(prep.num_prompt_tokens, completion_tokens, final.num_cached_tokens),
         "system_fingerprint": None,
     }
+    if body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, body.prompt_logprobs)
+    return response
 
 
 async def _chat_events(body: ChatCompletionRequest, prep: _Prepared, request_id: str,

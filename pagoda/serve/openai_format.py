@@ -41,9 +41,25 @@ class CompletionLogprobs:
         self.offset = text_offset
         self.as_ids = tokens_as_ids
 
-    def make(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> dict:
+    def make(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None,
+             prompt: tuple[list[int], list[dict[int, Logprob] | None], str] | None = None) -> dict:
+        """`prompt`: (ids, RequestOutput.prompt_logprobs, the first token's text) when the choice
+        echoes its prompt: its tokens come first, the first one without a logprob (as OpenAI's)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, entries in zip(token_ids, logprobs or []):
+        if prompt is not None:
+            ids, entries, first_text = prompt
+            tokens.append(f"token_id:{ids[0]}" if self.as_ids else first_text)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(self.offset)
+            self.offset += len(first_text)
+            self._add(ids[1:], entries[1:], tokens, token_lps, tops, offsets)
+        self._add(token_ids, logprobs or [], tokens, token_lps, tops, offsets)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _add(self, token_ids: list[int], logprobs: list, tokens: list, token_lps: list, tops: list,
+             offsets: list) -> None:
+        for tid, entries in zip(token_ids, logprobs):
             sampled = entries.get(tid)
             text = _token_str(sampled) if sampled is not None else ""
             tok = f"token_id:{tid}" if self.as_ids else text
@@ -56,7 +72,25 @@ class CompletionLogprobs:
             tops.append(top)
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None, num_top: int) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding that token and the top-num_top alternatives."""
+    if entries is None:
+        return None
+    out: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        first = next(iter(entry))  # the prompt token itself
+        out.append({
+            str(tid): {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": e.decoded_token}
+            for tid, e in entry.items()
+            if tid == first or (e.rank is not None and e.rank <= num_top)
+        })
+    return out
 
 
 def chat_logprobs(

@@ -111,6 +111,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     priority: _Int64 | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt tokens' logprobs, top-N
 
     @model_validator(mode="after")
     def _check_common(self) -> "_SamplingFields":
@@ -118,9 +119,13 @@ class _SamplingFields(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
+        if self.prompt_logprobs is not None and self.stream:
+            # As vLLM: a stream's chunks have no place for them.
+            raise FieldError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         return self
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError (from SamplingParams) for values the model-level checks let through."""
         return SamplingParams(
             n=self.n,
@@ -139,6 +144,7 @@ class _SamplingFields(_Request):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -155,7 +161,7 @@ class CompletionRequest(_SamplingFields):
     _null_means_default = _SamplingFields._null_means_default | {"echo"}
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -175,9 +181,19 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of is not supported (it must equal n)")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens must be at least 1 (0 is only allowed with echo)", param="max_tokens")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: the answer is the prompt (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The choice's logprobs start with the echoed prompt's."""
+        return self.echo and self.logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -188,7 +204,12 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # echo_only still samples one token (the engine always generates); the answer drops it.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo_logprobs:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(_Body):

@@ -163,6 +163,7 @@ def test_c9_every_message_round_trips_with_every_field_set():
     out = _all_fields_set(EngineCoreOutput(
         "r#1", [5, 6], new_logprobs=[([5, 9], [-0.25, -3.5]), ([6], [-0.5])], finish_reason="stop",
         stop_reason="bc", num_cached_tokens=16, queued_time=1.5, scheduled_time=2.5,
+        prompt_logprobs=[([2, 7], [-1.25, -0.5], 3), ([3, 3], [-0.75, -0.75], 1)],
     ))
     stats = _all_fields_set(EngineCoreStats(
         num_running=1, num_waiting=2, kv_usage=0.25, prefix_cache_queries=40, prefix_cache_hits=16,
@@ -214,8 +215,8 @@ def test_bad_prompts_rejected_without_disturbing_others(tiny):
     for ids in ("abc", None, [1.5, 2]):
         with pytest.raises(ValueError, match="prompt_token_ids must be a list of integers"):
             llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=4), use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, prompt_logprobs=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, prompt_logprobs=21), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

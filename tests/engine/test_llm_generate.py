@@ -119,6 +119,7 @@ BAD_CALLS = {
     "logprobs over the vocabulary": lambda llm: llm.generate([[1], [2]], [GOOD, SamplingParams(max_tokens=2, logprobs=10_000)], use_tqdm=False),
     "logprobs over max_logprobs (20)": lambda llm: llm.generate([[1]], SamplingParams(max_tokens=2, logprobs=21), use_tqdm=False),
     "logprobs=True": lambda llm: llm.generate([[1]], SamplingParams(max_tokens=2, logprobs=True), use_tqdm=False),
+    "prompt_logprobs over max_logprobs (20)": lambda llm: llm.generate([[1, 2]], [GOOD, SamplingParams(max_tokens=2, prompt_logprobs=21)], use_tqdm=False),
     "seed out of range": lambda llm: llm.generate([[1], [2]], [GOOD, SamplingParams(max_tokens=2, seed=2**70)], use_tqdm=False),
     "seed is a float": lambda llm: llm.generate([[1]], SamplingParams(max_tokens=2, seed=1.5), use_tqdm=False),
 }

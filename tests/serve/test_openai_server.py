@@ -328,6 +328,52 @@ def test_prompt_forms_and_echo(client, http):
     assert many_ids.choices[0].text == many_ids.choices[1].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, http):
+    """echo + logprobs (lm-evaluation-harness's loglikelihood request) and vLLM's prompt_logprobs."""
+    ids = tokenize(http, prompt=PROMPT)
+    gen = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0]
+    # Score the prompt and its greedy continuation, generating nothing: the continuation's logprobs
+    # as prompt tokens are what the model gave them as it generated them.
+    full = ids + [int(t.removeprefix("token_id:")) for t in gen.logprobs.tokens]
+    echo = client.completions.create(model=MODEL, prompt=full, max_tokens=0, echo=True, logprobs=2)
+    (choice,) = echo.choices
+    assert echo.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert choice.text == http.post("/detokenize", json={"tokens": full}).json()["prompt"]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(full)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    assert lp.token_logprobs[len(ids):] == pytest.approx(gen.logprobs.token_logprobs, abs=0.02)
+    for tok, tlp, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert tlp <= 0 and top[tok] == tlp and 2 <= len(top) <= 3
+    # With generation: the prompt's entries, then the generated tokens'; streamed, the same.
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.text.startswith(PROMPT) and len(whole.logprobs.tokens) == len(ids) + 3
+    streamed = []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed.extend(zip(c.logprobs.tokens, c.logprobs.token_logprobs))
+    assert [t for t, _ in streamed] == whole.logprobs.tokens
+    assert streamed[0][1] is None
+    assert [x for _, x in streamed[1:]] == pytest.approx(whole.logprobs.token_logprobs[1:])
+    # vLLM's prompt_logprobs field: per prompt token None (the first) or {token id: logprob, rank, text}.
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1})
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for tid, entry, echoed in zip(ids[1:], plp[1:], whole.logprobs.token_logprobs[1:]):
+        assert str(tid) in entry and 1 <= len(entry) <= 2
+        assert entry[str(tid)]["logprob"] == pytest.approx(echoed, abs=1e-4)
+        assert any(e["rank"] == 1 for e in entry.values())
+    chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    chat_ids = tokenize(http, messages=CHAT)
+    assert len(chat["prompt_logprobs"]) == len(chat_ids) and chat["prompt_logprobs"][0] is None
+    assert [list(e) for e in chat["prompt_logprobs"][1:]] == [[str(t)] for t in chat_ids[1:]]
+
+
 def test_stream_usage_counts_cached_tokens_of_every_prompt(client):
     # Two prompts of more than one KV block each, sent once to fill the prefix cache: then both hit it,
     # and the streamed usage must report the same cached total as the whole response (not one prompt's).
@@ -442,6 +488,9 @@ def _bad_cases() -> list:
         ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),
         ("min_tokens above max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, None),
         ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+        ("prompt_logprobs too many", "/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ("prompt_logprobs when streaming", "/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+        ("max_tokens 0 without echo", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
         ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("missing messages", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
