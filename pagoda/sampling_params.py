@@ -28,6 +28,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N alternatives beside the sampled token
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 to 100)
     skip_special_tokens: bool = True
     detokenize: bool = True
     extra: dict = field(default_factory=dict)
@@ -48,6 +49,9 @@ class SamplingParams:
         if isinstance(self.seed, numbers.Integral) and not isinstance(self.seed, bool):
             self.seed = int(self.seed)  # a numpy integer, say: the engine and msgpack want a plain int
         self._validate()
+        if self.logit_bias is not None:
+            # Plain ints and floats (numpy's would not travel to the engine core as msgpack).
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -93,6 +97,13 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
         ):
             raise bad("prompt_logprobs", "must be an integer >= 0")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+                and isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+                for t, v in self.logit_bias.items()
+            ):
+                raise bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -112,6 +112,8 @@ def validate_prompt(
         raise ValueError("the prompt is empty")
     if any(t < 0 or t >= vocab_size for t in prompt_ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
     if n >= max_model_len:
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens, and the prompt has {n} "

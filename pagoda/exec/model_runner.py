@@ -223,6 +223,7 @@ class ModelRunner:
             [self._generator(s) for s in reqs],
             self.vocab_size,
             self.device,
+            [s.request.eos_token_id for s in reqs],
         )
         result = self.sampler(logits, sampling_meta)
         token_ids = result.token_ids.tolist()

@@ -8,7 +8,8 @@ generator.
 
 Semantics follow vLLM:
 - logprobs are log_softmax of the RAW logits (before penalties and temperature);
-- penalties come first and apply to greedy rows too; then greedy rows take the argmax;
+- logit_bias, the min_tokens mask (a row short of min_tokens cannot sample EOS or a stop token id)
+  and the penalties come first and apply to greedy rows too; then greedy rows take the argmax;
 - random rows: temperature, then top-k, top-p, min-p, then one categorical draw per row.
 
 The draw is inverse-CDF sampling with ONE uniform number per row, done in two levels (sums of
@@ -161,6 +162,8 @@ def _apply_penalties_(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
     # index_select/index_copy_/index_add_ are far faster on CPU than tuple advanced indexing.
     flat = logits.view(-1)
     width = logits.shape[1]
+    if meta.bias_rows is not None:
+        flat.index_add_(0, meta.bias_rows * width + meta.bias_tokens, meta.bias_values)
     if meta.rep_rows is not None:
         idx = meta.rep_rows * width + meta.rep_tokens
         seen = flat.index_select(0, idx)

@@ -62,6 +62,12 @@ class SamplingMetadata:
     sub_rows: torch.Tensor | None = None  # [S] int64
     sub_tokens: torch.Tensor | None = None  # [S] int64
     sub_values: torch.Tensor | None = None  # [S] float32
+    # Additive biases, sparse, applied before the penalties: logit_bias entries, and -inf on the stop
+    # tokens (EOS unless ignore_eos, stop_token_ids) of rows that have fewer than min_tokens outputs,
+    # so those rows never sample them (vLLM's semantics). None when no row has either.
+    bias_rows: torch.Tensor | None = None  # [A] int64
+    bias_tokens: torch.Tensor | None = None  # [A] int64
+    bias_values: torch.Tensor | None = None  # [A] float32
 
     # Row index -> that row's private generator. Rows not here draw from the default generator.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
@@ -80,9 +86,11 @@ class SamplingMetadata:
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
+        eos_token_ids: Sequence[int | None] | None = None,
     ) -> "SamplingMetadata":
         """Build the batch's tensors. `prompt_token_ids`/`output_token_ids` are only read for rows
-        with penalties, so callers with no penalties pay nothing for long contexts."""
+        with penalties, so callers with no penalties pay nothing for long contexts. `eos_token_ids`:
+        each row's EOS, which min_tokens keeps it from sampling too early."""
         n = len(params)
         device = torch.device(device)
         greedy = [p.greedy for p in params]
@@ -156,12 +164,43 @@ class SamplingMetadata:
             )
             meta.sub_rows, meta.sub_tokens = rows, toks
             meta.sub_values = freq.index_select(0, rows) * counts + pres.index_select(0, rows)
-        meta.no_penalties = meta.rep_rows is None and meta.sub_rows is None
+        _add_biases(meta, params, output_token_ids, eos_token_ids, device)
+        meta.no_penalties = meta.rep_rows is None and meta.sub_rows is None and meta.bias_rows is None
 
         meta.generators = {i: g for i, g in enumerate(generators) if g is not None}
         meta.needs_logprobs = any(p.logprobs is not None for p in params)
         meta.max_num_logprobs = max((p.logprobs or 0 for p in params), default=0)
         return meta
+
+
+def _add_biases(
+    meta: SamplingMetadata,
+    params: list[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_ids: Sequence[int | None] | None,
+    device: torch.device,
+) -> None:
+    rows: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([i] * len(p.logit_bias))
+            tokens.extend(p.logit_bias)
+            values.extend(p.logit_bias.values())
+        if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+            eos = None if eos_token_ids is None or p.ignore_eos else eos_token_ids[i]
+            # Ids past the vocabulary can never be sampled (and would index another row's logits).
+            stops = {t for t in p.stop_token_ids if t < meta.vocab_size}
+            if eos is not None and eos < meta.vocab_size:
+                stops.add(eos)
+            rows.extend([i] * len(stops))
+            tokens.extend(stops)
+            values.extend([float("-inf")] * len(stops))
+    if rows:
+        meta.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        meta.bias_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+        meta.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def _distinct_pairs(

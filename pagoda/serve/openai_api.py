@@ -119,7 +119,8 @@ def _validate_prompts(state: ServerState, prompts: list[tuple[str | None, list[i
             state.engine.validate(ids, params)
         except ValueError as exc:
             msg = str(exc)
-            raise bad_request(msg, param="max_tokens" if "max_tokens" in msg else param,
+            field = next((f for f in ("max_tokens", "logit_bias") if f in msg), param)
+            raise bad_request(msg, param=field,
                               code="context_length_exceeded" if "context" in msg else None) from None
 
 

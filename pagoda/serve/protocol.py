@@ -117,8 +117,9 @@ class _SamplingFields(_Request):
     def _check_common(self) -> "_SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+        for key in self.logit_bias or {}:
+            if not key.isascii() or not key.isdigit() or len(key) > 18:
+                raise FieldError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
         if self.prompt_logprobs is not None and self.stream:
             # As vLLM: a stream's chunks have no place for them.
             raise FieldError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
@@ -145,6 +146,8 @@ class _SamplingFields(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
+            # OpenAI clamps each bias to [-100, 100], which already bans or forces a token.
+            logit_bias={int(k): min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()} if self.logit_bias else None,
             skip_special_tokens=self.skip_special_tokens,
         )
 

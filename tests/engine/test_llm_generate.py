@@ -158,6 +158,19 @@ def test_numpy_integer_seed_is_a_seed(tiny_llama3_fp32):
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
+def test_logit_bias_and_min_tokens_offline(tiny_llama3_fp32):
+    llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    forced = llm.generate([[1, 2, 3]], greedy.clone(logit_bias={9: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert forced.token_ids == [9] * 6
+    # A stop token the model would sample first is held back until min_tokens outputs exist.
+    held = llm.generate([[1, 2, 3]], greedy.clone(stop_token_ids=[want[0]], min_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert want[0] not in held.token_ids[:4] and len(held.token_ids) >= 4
+    with pytest.raises(ValueError, match="logit_bias token ids must be in"):
+        llm.generate([[1, 2, 3]], greedy.clone(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
 def test_a_failed_step_aborts_the_calls_requests(tiny_llama3_fp32):
     llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)

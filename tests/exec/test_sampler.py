@@ -410,6 +410,45 @@ def test_no_logprobs_when_none_asked() -> None:
     assert out.token_ids.shape == (3,) and out.token_ids.dtype == torch.int64
 
 
+# --- logit_bias and min_tokens ------------------------------------------------------------------
+
+
+def test_logit_bias_forces_bans_and_shifts_tokens_of_its_own_row() -> None:
+    logits = torch.randn(4, 50)
+    top = logits.argmax(dim=-1)
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}),  # forced
+        SamplingParams(temperature=0, logit_bias={int(top[1]): -100.0}),  # the argmax banned
+        SamplingParams(temperature=0),  # untouched
+        SamplingParams(temperature=1.0, logit_bias={3: 100.0}, logprobs=1),  # random rows too
+    ]
+    out = sampler(logits, build(params, 50))
+    assert out.token_ids[0] == 7 and out.token_ids[2] == top[2] and out.token_ids[3] == 3
+    second = logits[1].topk(2).indices[1]
+    assert out.token_ids[1] == second
+    # Logprobs stay those of the raw logits (vLLM's default).
+    assert out.logprobs[3, 0] == pytest.approx(torch.log_softmax(logits[3], -1)[3].item())
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
+    logits = torch.zeros(3, 20)
+    logits[:, 5] = 10.0  # EOS is the argmax
+    logits[:, 6] = 9.0  # then a stop token id
+    eos = [5, 5, 5]
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6])
+    outputs = [[1], [1, 2], [1, 2, 3]]  # the third row has its min_tokens outputs
+    meta = SamplingMetadata.build([params] * 3, [[]] * 3, outputs, [None] * 3, 20, CPU, eos)
+    assert sampler(logits, meta).token_ids.tolist() == [0, 0, 5]
+    # ignore_eos: EOS is a token like any other, so only the stop token id is held back.
+    ignoring = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6], ignore_eos=True)
+    meta = SamplingMetadata.build([ignoring], [[]], [[1]], [None], 20, CPU, [5])
+    assert sampler(logits[:1], meta).token_ids.tolist() == [5]
+    # Stop ids past the vocabulary are never sampled anyway: no mask entry for them.
+    far = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[10**6])
+    meta = SamplingMetadata.build([far], [[]], [[]], [None], 20, CPU, [None])
+    assert meta.bias_rows is None and sampler(logits[:1], meta).token_ids.tolist() == [5]
+
+
 # --- SamplingParams validation ----------------------------------------------------------------
 
 
@@ -439,6 +478,10 @@ def test_no_logprobs_when_none_asked() -> None:
         {"stop": 5},
         {"stop": ["ok", 5]},
         {"stop_token_ids": 7},
+        {"logit_bias": {"7": 1.0}},
+        {"logit_bias": {7: float("nan")}},
+        {"logit_bias": {-1: 1.0}},
+        {"logit_bias": [7]},
     ],
 )
 def test_sampling_params_reject_bad_values(bad: dict) -> None:

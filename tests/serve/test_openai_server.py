@@ -403,10 +403,21 @@ def test_vllm_extensions(client, http):
     stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
                                         extra_body={"stop_token_ids": [stop_id]}).choices[0]
     assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == stop_id
-    # min_tokens with a stop token: nothing stops before min_tokens.
-    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
-                                     extra_body={"stop_token_ids": [stop_id], "min_tokens": 5})
-    assert held.usage.completion_tokens >= 5
+    # min_tokens with a stop token: nothing stops before min_tokens, and (as vLLM) the stop token is
+    # not even sampled before then.
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+                                     extra_body={"stop_token_ids": [stop_id], "min_tokens": 5,
+                                                 "return_tokens_as_token_ids": True}).choices[0]
+    held_ids = [int(t.removeprefix("token_id:")) for t in held.logprobs.tokens]
+    assert len(held_ids) >= 5 and stop_id not in held_ids[:5]
+    # logit_bias (OpenAI's: token id -> bias, clamped to [-100, 100]) forces or bans tokens.
+    forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={str(stop_id): 500}).choices[0]
+    assert forced.text == http.post("/detokenize", json={"tokens": [stop_id] * 3}).json()["prompt"]
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(gen_ids[0]): -100},
+                                       extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert banned.logprobs.tokens != [f"token_id:{gen_ids[0]}"]
     # The other knobs are accepted and applied (a strong repetition penalty changes greedy text).
     knobs = client.completions.create(
         model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0,
@@ -488,6 +499,8 @@ def _bad_cases() -> list:
         ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),
         ("min_tokens above max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, None),
         ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+        ("logit_bias key not a token id", "/v1/completions", {"prompt": "x", "logit_bias": {"hello": 1}}, 400, "logit_bias"),
+        ("logit_bias token out of vocab", "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
         ("prompt_logprobs too many", "/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
         ("prompt_logprobs when streaming", "/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
         ("max_tokens 0 without echo", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
