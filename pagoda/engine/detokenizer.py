@@ -53,9 +53,14 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         eos_token_id: int | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop: list[str] = [s for s in stop if s]  # an empty stop string would end every request
+        # As vLLM: the text of the first min_tokens output tokens is not searched for stop strings
+        # (a stop string may still start there and end in later text).
+        self.min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens seen
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
         self.eos_token_id = eos_token_id
@@ -123,6 +128,9 @@ class IncrementalDetokenizer:
         """Appends decoded text; on a stop string truncates output_text and returns the stop."""
         if not delta:
             return None
+        if self._num_tokens <= self.min_tokens:
+            self.output_text += delta  # min_tokens not reached: no stop string ends the text yet
+            return None
         old_len = len(self.output_text)
         text = self.output_text + delta
         # A stop string found now must end inside the new text (earlier text was already searched),
@@ -177,6 +185,7 @@ class IncrementalDetokenizer:
         ):
             ids.pop()
         for token_id in ids:
+            self._num_tokens += 1
             stop = self._append_and_check_stop(self._step(token_id, flush=False))
             if stop is not None:
                 return self._finish(stop)

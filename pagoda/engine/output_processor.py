@@ -81,6 +81,7 @@ class OutputProcessor:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                     skip_special_tokens=params.skip_special_tokens,
                     eos_token_id=eos_token_id,
+                    min_tokens=params.min_tokens,
                 )
             seqs.append(_Sequence(i, detok, logprobs=[] if params.logprobs is not None else None))
         group = _Group(request_id, prompt, prompt_token_ids, params, delta, seqs, time.time())

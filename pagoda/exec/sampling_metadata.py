@@ -173,6 +173,12 @@ class SamplingMetadata:
         return meta
 
 
+# A bias past this already forces or bans its token. Larger ones (1e300 is a finite float64, but
+# not a float32) would make the biased logit +inf, and softmax's inf - inf a NaN row that samples
+# garbage; 1e30 stays finite even divided by the smallest temperature that is not greedy.
+_MAX_BIAS = 1e30
+
+
 def _add_biases(
     meta: SamplingMetadata,
     params: list[SamplingParams],
@@ -187,7 +193,7 @@ def _add_biases(
         if p.logit_bias:
             rows.extend([i] * len(p.logit_bias))
             tokens.extend(p.logit_bias)
-            values.extend(p.logit_bias.values())
+            values.extend(min(_MAX_BIAS, max(-_MAX_BIAS, v)) for v in p.logit_bias.values())
         if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
             eos = None if eos_token_ids is None or p.ignore_eos else eos_token_ids[i]
             # Ids past the vocabulary can never be sampled (and would index another row's logits).

@@ -186,6 +186,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported by this server")
         if self.max_tokens == 0 and not self.echo:
             raise FieldError("max_tokens must be at least 1 (0 is only allowed with echo)", param="max_tokens")
+        if self.max_tokens == 0 and self.min_tokens > 0:
+            # Checked here: the engine request asks for one token (see to_sampling_params), so
+            # SamplingParams' own check would name max_tokens 1, which the client never sent.
+            raise FieldError(f"min_tokens must be <= max_tokens (0), got {self.min_tokens}", param="min_tokens")
         return self
 
     @property

@@ -291,6 +291,21 @@ def test_text_after_stop_in_same_update_is_dropped(byte_tok: ByteTokenizer) -> N
     assert detok.output_text == "line one" and detok.get_delta_text() == ""
 
 
+def test_min_tokens_holds_back_stop_strings(byte_tok: ByteTokenizer) -> None:
+    # As vLLM: the text of the first min_tokens tokens is not searched, so " e" at token 2 does not
+    # stop; a stop string ending after them does, even one that starts inside them.
+    detok = IncrementalDetokenizer(byte_tok, [], stop=["e"], min_tokens=5)
+    assert detok.update(byte_tok.encode("Lee, and then"), finished=False) == "e"
+    assert detok.output_text == "Lee, and th"
+    spanning = IncrementalDetokenizer(byte_tok, [], stop=["ab"], min_tokens=3)
+    assert spanning.update(byte_tok.encode("xxab"), finished=False) == "ab"
+    assert spanning.output_text == "xx"
+    # Finished before min_tokens (max_model_len, say): nothing of it is a stop.
+    short = IncrementalDetokenizer(byte_tok, [], stop=["e"], min_tokens=9)
+    assert short.update(byte_tok.encode("see"), finished=True) is None
+    assert short.output_text == "see"
+
+
 def test_held_back_text_released_when_not_a_stop(byte_tok: ByteTokenizer) -> None:
     ids = byte_tok.encode("ENDx ENvelope")
     detok = IncrementalDetokenizer(byte_tok, [], stop=["ENDING"])

@@ -430,6 +430,20 @@ def test_logit_bias_forces_bans_and_shifts_tokens_of_its_own_row() -> None:
     assert out.logprobs[3, 0] == pytest.approx(torch.log_softmax(logits[3], -1)[3].item())
 
 
+def test_logit_bias_past_float32_forces_its_token_at_any_temperature() -> None:
+    # 1e300 is a finite float, but not a float32: unclamped, the biased logit became +inf and the
+    # row's softmax NaN, so random rows sampled garbage (the last vocabulary id) instead.
+    logits = torch.randn(3, 50)
+    params = [
+        SamplingParams(temperature=1.0, seed=1, logit_bias={7: 1e300}),
+        SamplingParams(temperature=0.01, seed=2, logit_bias={9: 1e38, 3: -1e300}, top_p=0.9),
+        SamplingParams(temperature=0, logit_bias={11: 1e300}),
+    ]
+    gens = [make_generator(1), make_generator(2), None]
+    meta = SamplingMetadata.build(params, [[]] * 3, [[]] * 3, gens, 50, CPU)
+    assert sampler(logits, meta).token_ids.tolist() == [7, 9, 11]
+
+
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
     logits = torch.zeros(3, 20)
     logits[:, 5] = 10.0  # EOS is the argmax

@@ -410,6 +410,12 @@ def test_vllm_extensions(client, http):
                                                  "return_tokens_as_token_ids": True}).choices[0]
     held_ids = [int(t.removeprefix("token_id:")) for t in held.logprobs.tokens]
     assert len(held_ids) >= 5 and stop_id not in held_ids[:5]
+    # Nor does a stop string end the text before min_tokens (vLLM does not search the first
+    # min_tokens tokens' text): the greedy text's first token is no stop here.
+    first = http.post("/detokenize", json={"tokens": gen_ids[:1]}).json()["prompt"]
+    late = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[first],
+                                     extra_body={"min_tokens": 3, "ignore_eos": True}).choices[0]
+    assert late.text.startswith(first) and len(late.text) > len(first)
     # logit_bias (OpenAI's: token id -> bias, clamped to [-100, 100]) forces or bans tokens.
     forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                        logit_bias={str(stop_id): 500}).choices[0]

@@ -182,6 +182,13 @@ def _assert_400(r, param: str) -> dict:
 CHAT = [{"role": "user", "content": "x"}]
 
 
+def test_echo_with_max_tokens_0_and_min_tokens_is_400_naming_max_tokens_0(api):
+    # The engine request of an echo with max_tokens=0 asks for one token: the error said "(1)".
+    err = _assert_400(api.post("/v1/completions", json={"prompt": "x", "echo": True, "max_tokens": 0,
+                                                        "min_tokens": 2}), "min_tokens")
+    assert "max_tokens (0)" in err["message"]
+
+
 @pytest.mark.parametrize(
     "path,body,param",
     [
