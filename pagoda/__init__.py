@@ -1,9 +1,9 @@
 """Pagoda: an LLM inference and serving engine. `from pagoda import LLM, SamplingParams`."""
 
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineArgs", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):

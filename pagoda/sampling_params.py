@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, one of several strings, a Lark/GBNF grammar,
+    or any JSON object (vLLM's names). Exactly one is set; the engine enforces it token by token."""
+
+    json: str | dict | None = None  # a JSON schema, as a dict or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or llama.cpp's GBNF
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)  # one form, which msgpack carries as is
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of json, regex, choice, grammar or "
+                             f"json_object; got {', '.join(given) or 'none'}")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(f"structured outputs' choice must be a non-empty list of strings, got {self.choice!r}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured outputs' {name} must be a string, got {type(value).__name__}")
 
 
 @dataclass
@@ -29,6 +60,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives beside the sampled token
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 to 100)
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     extra: dict = field(default_factory=dict)
@@ -97,6 +129,8 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
         ):
             raise bad("prompt_logprobs", "must be an integer >= 0")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0

@@ -482,6 +482,7 @@ class AsyncLLM:
             num_usable_blocks=info.num_usable_blocks,
             strict_max_tokens=True,
             max_logprobs=self.args.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
         )
 
     # -- requests ----------------------------------------------------------------------------------

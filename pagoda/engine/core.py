@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
 from pagoda.config import EngineArgs
 from pagoda.engine.context_length import resolve_max_model_len
+from pagoda.engine.input_processor import eos_token_id_of
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
+from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.kv.manager import KVCacheManager
-from pagoda.model.loader import LoadedModel, load_model
+from pagoda.model.loader import LoadedModel, load_model, load_tokenizer
 from pagoda.sched.config import SchedulerConfig
 from pagoda.sched.request import Request, RequestStatus
 from pagoda.sched.scheduler import Scheduler
@@ -70,6 +73,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             device=self.device,
             enforce_eager=args.enforce_eager,
+            structured_outputs=StructuredOutputs(self._tokenizer_and_eos, config.vocab_size),
         )
         # Requests waiting for another request's prompt to be computed (n > 1 siblings).
         self._deferred: dict[str, list[Request]] = {}
@@ -79,6 +83,10 @@ class EngineCore:
         # it with every message (offline, nothing reads it, so it stays off).
         self.record_iteration_tokens = False
         self.iteration_tokens: list[int] = []
+
+    def _tokenizer_and_eos(self) -> tuple[Any, int | None]:
+        tokenizer = load_tokenizer(self.loaded.source)
+        return tokenizer, eos_token_id_of(tokenizer, self.loaded.config)
 
     def _kv_cache_dtype(self) -> torch.dtype:
         name = self.args.kv_cache_dtype

@@ -12,6 +12,7 @@ import numbers
 from typing import Any
 
 from pagoda.engine.messages import EngineCoreRequest
+from pagoda.exec.structured_output import check_structured_outputs
 from pagoda.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -94,6 +95,7 @@ def validate_prompt(
     num_usable_blocks: int | None = None,
     strict_max_tokens: bool = False,
     max_logprobs: int = -1,
+    has_tokenizer: bool = True,
 ) -> None:
     """Raise ValueError (with a message fit for a user) when the request cannot run.
 
@@ -114,6 +116,13 @@ def validate_prompt(
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
         raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+    if params.structured_outputs is not None:
+        if not has_tokenizer:
+            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+        try:
+            check_structured_outputs(params.structured_outputs)
+        except ValueError as exc:
+            raise ValueError(f"structured outputs: {exc}") from None
     if n >= max_model_len:
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens, and the prompt has {n} "

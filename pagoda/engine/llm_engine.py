@@ -51,6 +51,7 @@ class LLMEngine:
             block_size=self.core.kv_manager.block_size,
             num_usable_blocks=self.core.kv_manager.num_usable_blocks,
             max_logprobs=self.args.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
         )
         request_id = request_id if request_id is not None else str(next(self._ids))
         child_ids = self.processor.add_request(request_id, text, prompt_ids, params, self.eos_token_id, delta)

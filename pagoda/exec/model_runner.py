@@ -21,6 +21,7 @@ from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
 from pagoda.exec.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
+from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.model.attention import AttentionContext
 from pagoda.sched.output import ScheduledRequest, SchedulerOutput
 
@@ -87,8 +88,10 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         enforce_eager: bool = False,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
+        self.structured_outputs = structured_outputs
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.vocab_size = vocab_size
@@ -124,6 +127,8 @@ class ModelRunner:
             self.block_tables.drop(rid)
             if not keep_generator:
                 self.generators.pop(rid, None)
+                if self.structured_outputs is not None:
+                    self.structured_outputs.drop(rid)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         seed = s.request.sampling_params.seed
@@ -194,7 +199,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._forget(so.finished_request_ids)
-        # A preempted request keeps its generator so that, resumed, it draws what it would have.
+        # A preempted request keeps its generator so that, resumed, it draws what it would have (and
+        # its grammar matcher, which has consumed its tokens).
         self._forget(so.preempted_request_ids, keep_generator=True)
         out = ModelRunnerOutput()
         if not so.scheduled:
@@ -216,6 +222,15 @@ class ModelRunner:
             last_rows = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sampling], device=self.device)
             logits = self.compute_logits(hidden[last_rows])
         reqs = [order[i] for i in sampling]
+        constrained = [
+            (row, s.request_id, s.request.sampling_params.structured_outputs)
+            for row, s in enumerate(reqs)
+            if s.request.sampling_params.structured_outputs is not None
+        ]
+        if constrained:
+            if self.structured_outputs is None:
+                raise ValueError("this engine runs no structured outputs")
+            self.structured_outputs.mask(logits, constrained)
         sampling_meta = SamplingMetadata.build(
             [s.request.sampling_params for s in reqs],
             [s.request.prompt_token_ids for s in reqs],
@@ -229,6 +244,8 @@ class ModelRunner:
         token_ids = result.token_ids.tolist()
         for s, tok in zip(reqs, token_ids):
             out.sampled_token_ids[s.request_id] = [tok]
+        for row, rid, _ in constrained:
+            self.structured_outputs.accept(rid, token_ids[row])
         if result.logprobs is not None:
             lps, ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
             for row, s in enumerate(reqs):

@@ -45,7 +45,7 @@ from pagoda.serve.openai_format import (
     sse,
     usage,
 )
-from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from pagoda.serve.request_context import request_id_var
 from pagoda.serve.tenants import Tenant
 
@@ -109,7 +109,8 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> Samplin
         return body.to_sampling_params()
     except ValueError as exc:
         msg = str(exc)
-        raise bad_request(msg, param=msg.split(" ", 1)[0] if msg else None) from None
+        param = exc.param if isinstance(exc, FieldError) else msg.split(" ", 1)[0] if msg else None
+        raise bad_request(msg, param=param) from None
 
 
 def _validate_prompts(state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,

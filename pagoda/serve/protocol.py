@@ -13,7 +13,8 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagoda.sampling_params import SamplingParams
+from pagoda.exec.structured_output import check_structured_outputs
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / top_logprobs
 _SEED_MAX = 2**63 - 1
@@ -112,6 +113,14 @@ class _SamplingFields(_Request):
     priority: _Int64 | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt tokens' logprobs, top-N
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs ({"json" | "regex" |
+    # "choice" | "grammar" | "json_object": ...}) and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> "_SamplingFields":
@@ -124,6 +133,46 @@ class _SamplingFields(_Request):
             # As vLLM: a stream's chunks have no place for them.
             raise FieldError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         return self
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one structured-outputs request among the fields that can make it, or None."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise FieldError("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                     param="response_format")
+                found.append(("response_format", {"json": schema}))
+            elif kind not in (None, "text"):
+                raise FieldError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                                 param="response_format")
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise FieldError(f"give one structured-outputs field, not {' and '.join(n for n, _ in found)}",
+                             param=found[1][0])
+        name, spec = found[0]
+        try:
+            params = StructuredOutputsParams(**spec)
+            check_structured_outputs(params)  # here, so that the error names the field that was sent
+        except TypeError:  # a key StructuredOutputsParams does not have
+            raise FieldError(f"{name}: give one of json, regex, choice, grammar or json_object, got {sorted(spec)}",
+                             param=name) from None
+        except ValueError as exc:
+            raise FieldError(f"{name}: {exc}", param=name) from None
+        return params
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -149,6 +198,7 @@ class _SamplingFields(_Request):
             # OpenAI clamps each bias to [-100, 100], which already bans or forces a token.
             logit_bias={int(k): min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()} if self.logit_bias else None,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self._structured_outputs(),
         )
 
     @property
@@ -255,7 +305,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -267,8 +316,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tools and self.tool_choice != "none":
             raise ValueError("tools are not supported by this server")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported by this server")
         return self
 
     def to_sampling_params(self) -> SamplingParams:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -374,6 +375,29 @@ def test_echo_with_logprobs_scores_the_prompt(client, http):
     assert [list(e) for e in chat["prompt_logprobs"][1:]] == [[str(t)] for t in chat_ids[1:]]
 
 
+def test_structured_outputs(client, http):
+    """OpenAI's response_format and vLLM's structured_outputs / guided_* constrain what is generated."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
+    person = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Ann, who is 31, as a JSON object."}],
+        max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    ).choices[0]
+    assert set(json.loads(person.message.content)) == {"name", "age"} and person.finish_reason == "stop"
+    yes_no = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=1.0, n=3,
+                                            extra_body={"guided_choice": ["yes", "no"]})
+    assert all(c.message.content in ("yes", "no") for c in yes_no.choices)
+    # Completions too, streamed: the chunks put together are one JSON object.
+    texts, reasons, _ = stream_completion(client, model=MODEL, prompt='JSON: {"a": 1}\nJSON: {"b": 2}\nJSON:',
+                                          max_tokens=40, temperature=0,
+                                          extra_body={"structured_outputs": {"json_object": True}})
+    assert isinstance(json.loads(texts[0]), dict) and reasons[0] == "stop"
+    digits = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}"}}).choices[0]
+    assert re.fullmatch("[0-9]{3}", digits.text)
+
+
 def test_stream_usage_counts_cached_tokens_of_every_prompt(client):
     # Two prompts of more than one KV block each, sent once to fill the prefix cache: then both hit it,
     # and the streamed usage must report the same cached total as the whole response (not one prompt's).
@@ -505,6 +529,10 @@ def _bad_cases() -> list:
         ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),
         ("min_tokens above max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, None),
         ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+        ("regex that does not compile", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
+        ("json schema that does not compile", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format"),
+        ("response_format xml", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
+        ("two structured outputs", "/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
         ("logit_bias key not a token id", "/v1/completions", {"prompt": "x", "logit_bias": {"hello": 1}}, 400, "logit_bias"),
         ("logit_bias token out of vocab", "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
         ("prompt_logprobs too many", "/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),

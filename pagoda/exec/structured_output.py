@@ -1,0 +1,119 @@
+"""Structured outputs: each constrained row's logits are masked to the tokens its grammar allows.
+
+Importing this module costs neither torch nor llguidance: the API process checks grammars with
+`check_structured_outputs` without ever loading torch.
+
+Grammars (JSON schema, regex, choice, Lark/GBNF) are compiled and matched by llguidance, whose token
+masks take a few hundred microseconds per row: only rows that ask for structured outputs pay. One
+matcher per sequence lives here between steps and consumes each token the row samples, so it is kept
+across a preemption (the recomputed tokens are not sampled again) and dropped when the request ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pagoda.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+    """-inf on the tokens whose bit is 0 in the given rows of `bitmask` ([B, words] int32, token t is
+    bit t % 32 of word t // 32, llguidance's layout). Unpacked with numpy: llguidance's own helper is
+    a torch.compile kernel, which imports torch._dynamo (~5 s) and compiles on first use."""
+    import torch
+
+    bits = np.unpackbits(bitmask[rows].view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+    banned = torch.from_numpy(bits == 0).to(logits.device)
+    for k, row in enumerate(rows):  # in place on each row's view: no gather and scatter of [R, V]
+        logits[row].masked_fill_(banned[k], float("-inf"))
+
+
+def grammar_of(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar definition for these parameters."""
+    import llguidance
+
+    if params.json_object:
+        return llguidance.grammar_from("json_schema", json.dumps({"type": "object"}))
+    if params.json is not None:
+        return llguidance.grammar_from("json_schema", params.json)
+    if params.regex is not None:
+        return llguidance.grammar_from("regex", params.regex)
+    if params.choice is not None:
+        return llguidance.grammar_from("choice", json.dumps(params.choice))
+    return llguidance.grammar_from("grammar", params.grammar)
+
+
+def check_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Raise ValueError (a message fit for a user) when the grammar does not compile."""
+    import llguidance
+
+    try:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(params))
+    except Exception as exc:  # e.g. a JSON schema that is not JSON
+        failed, messages = True, [str(exc)]
+    if failed:
+        # llguidance's messages quote the grammar over several lines; keep the ones that say why.
+        lines = [line.strip() for line in (messages[0] if messages else "invalid").splitlines() if line.strip()]
+        why = " ".join([lines[0], *[line for line in lines[1:] if line.startswith("error:")]])
+        raise ValueError(f"the grammar does not compile: {why}")
+
+
+class StructuredOutputs:
+    """The matchers of the sequences that asked for structured outputs (execution layer state)."""
+
+    def __init__(self, load_tokenizer: Callable[[], tuple[Any, int | None]], vocab_size: int) -> None:
+        """`load_tokenizer`: () -> (the model's Hugging Face tokenizer or None, its EOS id), called on
+        the first structured request (most servers never see one)."""
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self._tokenizer: Any = None  # llguidance's view of the model's tokenizer
+        self.matchers: dict[str, Any] = {}
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            hf, eos = self._load_tokenizer()
+            if hf is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            # ~0.5 s once: the vocabulary's byte strings, for token masks. A complete output allows
+            # only EOS, which ends the request.
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
+        return self._tokenizer
+
+    def matcher(self, request_id: str, params: StructuredOutputsParams) -> Any:
+        m = self.matchers.get(request_id)
+        if m is None:
+            import llguidance
+
+            m = llguidance.LLMatcher(self._llg_tokenizer(), grammar_of(params), log_level=1)
+            self.matchers[request_id] = m
+        return m
+
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str, StructuredOutputsParams]]) -> None:
+        """Mask (in place, to -inf) the tokens each row's grammar does not allow next."""
+        words = (self.vocab_size + 31) // 32
+        bitmask = np.zeros((logits.shape[0], words), dtype=np.int32)
+        for row, request_id, params in rows:
+            # A complete grammar allows EOS alone, which ends the request (unless ignore_eos).
+            self.matcher(request_id, params).unsafe_compute_mask_ptr(bitmask[row].ctypes.data, words * 4)
+        apply_bitmask_(logits, bitmask, [row for row, _, _ in rows])
+
+    def accept(self, request_id: str, token_id: int) -> None:
+        m = self.matchers.get(request_id)
+        if m is not None and not m.is_stopped() and not m.consume_token(token_id):
+            logger.warning("structured outputs of %s: the grammar refused token %d (%s)", request_id, token_id,
+                           m.get_error())
+
+    def drop(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
