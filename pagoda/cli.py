@@ -31,13 +31,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs (and prompt logprobs) a request may ask for; -1: the vocabulary")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     keys = (
         "dtype kv_cache_dtype device seed max_model_len max_num_seqs max_num_batched_tokens block_size "
         "enable_prefix_caching enable_chunked_prefill kv_cache_memory num_gpu_blocks_override "
-        "gpu_memory_utilization enforce_eager scheduling_policy"
+        "gpu_memory_utilization enforce_eager scheduling_policy max_logprobs"
     ).split()
     return {k: getattr(ns, k) for k in keys}
 

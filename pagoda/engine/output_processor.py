@@ -119,7 +119,10 @@ class OutputProcessor:
             if out.scheduled_time and (group.scheduled_time is None or out.scheduled_time < group.scheduled_time):
                 group.scheduled_time = out.scheduled_time
                 group.queued_time = out.queued_time
-            group.num_cached_tokens = max(group.num_cached_tokens, out.num_cached_tokens)
+            if seq.index == 0:
+                # The first sequence's hits are the prompt's: its siblings reuse the blocks it just
+                # computed (n > 1), which the client never had cached.
+                group.num_cached_tokens = out.num_cached_tokens
             seq.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and seq.logprobs is not None:
                 self._add_logprobs(seq, out.new_logprobs)

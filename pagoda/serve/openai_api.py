@@ -114,13 +114,16 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> Samplin
 
 
 def _validate_prompts(state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                      param: str) -> None:
+                      param: str, logprobs_param: str = "logprobs") -> None:
+    # The field each kind of refusal is about, found in its message; else the prompt's field.
+    fields = {"max_tokens": "max_tokens", "logit_bias": "logit_bias", "structured outputs": "structured_outputs",
+              "Requested sample logprobs": logprobs_param, "Requested prompt logprobs": "prompt_logprobs"}
     for _, ids in prompts:
         try:
             state.engine.validate(ids, params)
         except ValueError as exc:
             msg = str(exc)
-            field = next((f for f in ("max_tokens", "logit_bias") if f in msg), param)
+            field = next((f for key, f in fields.items() if key in msg), param)
             raise bad_request(msg, param=field,
                               code="context_length_exceeded" if "context" in msg else None) from None
 
@@ -444,7 +447,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
     prompts = [(None, ids)]
-    _validate_prompts(state, prompts, params, "messages")
+    _validate_prompts(state, prompts, params, "messages", logprobs_param="top_logprobs")
     prep = _Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
     _admit(state, prep)
     request_id = _new_id("chatcmpl")

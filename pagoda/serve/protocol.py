@@ -11,12 +11,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from pagoda.exec.structured_output import check_structured_outputs
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / top_logprobs
 _SEED_MAX = 2**63 - 1
 # Integers travel to the engine core as msgpack, which holds 64 bits: larger ones must be a 400 here,
 # not an OverflowError once the request is half sent.
@@ -97,7 +96,7 @@ class _SamplingFields(_Request):
     seed: int | None = Field(None, ge=0, le=_SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Strict()]] | None = None  # a number, not "10" or true
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -112,7 +111,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     priority: _Int64 | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the prompt tokens' logprobs, top-N
+    prompt_logprobs: int | None = Field(None, ge=0)  # the prompt tokens' logprobs, top-N
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs ({"json" | "regex" |
     # "choice" | "grammar" | "json_object": ...}) and its older guided_* fields.
     response_format: dict[str, Any] | None = None
@@ -215,7 +214,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # at most the engine's --max-logprobs (checked there)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
@@ -302,7 +301,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # vLLM extensions

@@ -408,6 +408,10 @@ def test_stream_usage_counts_cached_tokens_of_every_prompt(client):
     _, _, usage = stream_completion(client, stream_options={"include_usage": True}, **kw)
     assert whole >= 2 * 16  # a full block of each prompt
     assert usage.prompt_tokens_details.cached_tokens == whole
+    # n > 1 on a new prompt: the siblings reuse the first sequence's blocks, which is no cache hit.
+    fresh = client.completions.create(model=MODEL, n=3, max_tokens=2, temperature=1.0,
+                                      prompt="Siblings: " + prompts[0] + " three sisters")
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_vllm_extensions(client, http):
@@ -529,11 +533,13 @@ def _bad_cases() -> list:
         ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),
         ("min_tokens above max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, None),
         ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+        ("top_logprobs too many", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ("regex that does not compile", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
         ("json schema that does not compile", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format"),
         ("response_format xml", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
         ("two structured outputs", "/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
         ("logit_bias key not a token id", "/v1/completions", {"prompt": "x", "logit_bias": {"hello": 1}}, 400, "logit_bias"),
+        ("logit_bias value a string", "/v1/completions", {"prompt": "x", "logit_bias": {"5": "10"}}, 400, "logit_bias"),
         ("logit_bias token out of vocab", "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
         ("prompt_logprobs too many", "/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
         ("prompt_logprobs when streaming", "/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),

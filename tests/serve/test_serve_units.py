@@ -376,6 +376,16 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def test_serve_takes_vllms_max_logprobs_flag():
+    import argparse
+
+    from pagoda.cli import engine_kwargs
+    from pagoda.serve.cli import add_serve_parser
+
+    ns = add_serve_parser(argparse.ArgumentParser().add_subparsers()).parse_args(["--max-logprobs", "-1"])
+    assert engine_kwargs(ns)["max_logprobs"] == -1  # the engine's cap, which requests are checked against
+
+
 def test_bad_arguments_exit_2(tmp_path):
     r = _serve("/no/such/model", "--port", "1")
     assert r.returncode == 2 and "no such file" in r.stderr
