@@ -48,6 +48,7 @@ from pagoda.serve.openai_format import (
 from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from pagoda.serve.request_context import request_id_var
 from pagoda.serve.tenants import Tenant
+from pagoda.serve.tool_calls import parse_tool_calls
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -440,7 +441,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            chat_template_kwargs=body.chat_template_kwargs,
+            chat_template_kwargs=body.template_kwargs(),
         )
     except ChatTemplateArgumentError as exc:
         raise bad_request(str(exc), param="chat_template_kwargs") from None
@@ -461,6 +462,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return JSONResponse(result, headers=headers)
 
 
+def _assistant_message(body: ChatCompletionRequest, text: str, reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice and its finish reason: with tool_choice named or
+    "required", the generated JSON as tool_calls ("required" ends with finish_reason "tool_calls"; a
+    named function, as OpenAI's forced calls, with "stop")."""
+    mode = body.tool_call_mode
+    calls = parse_tool_calls(mode, body.tool_choice, text) if mode is not None and reason is not None else None
+    if calls is None:
+        return {"role": "assistant", "content": text}, reason
+    return ({"role": "assistant", "content": "", "tool_calls": calls},
+            "tool_calls" if mode == "required" and reason == "stop" else reason)
+
+
 async def _chat_whole(body: ChatCompletionRequest, prep: _Prepared, request_id: str,
                       streams: list[RequestStream]) -> dict:
     try:
@@ -472,16 +485,16 @@ async def _chat_whole(body: ChatCompletionRequest, prep: _Prepared, request_id: 
             s.close()
     completion_tokens = sum(len(seq.token_ids) for seq in final.outputs)
     prep.tenant.charge_tokens(completion_tokens)
-    choices = [
-        {
+    choices = []
+    for seq in final.outputs:
+        message, reason = _assistant_message(body, seq.text, seq.finish_reason)
+        choices.append({
             "index": seq.index,
-            "message": {"role": "assistant", "content": seq.text},
+            "message": message,
             "logprobs": chat_logprobs(seq.token_ids, seq.logprobs, body.num_top_logprobs, body.return_tokens_as_token_ids) if body.logprobs else None,
-            "finish_reason": seq.finish_reason,
+            "finish_reason": reason,
             "stop_reason": seq.stop_reason,
-        }
-        for seq in final.outputs
-    ]
+        })
     response = {
         "id": request_id,
         "object": "chat.completion",
@@ -520,6 +533,7 @@ async def _chat_events(body: ChatCompletionRequest, prep: _Prepared, request_id:
             data["usage"] = usage(prep.num_prompt_tokens, completion_tokens) if body.continuous_usage else None
         return sse(data)
 
+    held: dict[int, tuple[list, list, list]] = {}  # tool calls: each choice's ids, logprobs and text so far
     try:
         # OpenAI opens every choice with the assistant role before any content.
         for index in range(prep.params.n):
@@ -531,6 +545,23 @@ async def _chat_events(body: ChatCompletionRequest, prep: _Prepared, request_id:
                     continue
                 completion_tokens += len(seq.token_ids)
                 reason = seq.finish_reason
+                if body.tool_call_mode is not None:
+                    # Tool calls go out whole, in one delta when the choice ends (OpenAI's clients
+                    # join the deltas of a call by its index, so one delta is a valid stream).
+                    held_ids, held_lps, held_text = held.setdefault(seq.index, ([], [], []))
+                    held_ids.extend(seq.token_ids)
+                    held_lps.extend(seq.logprobs or [])
+                    held_text.append(seq.text)
+                    if reason is None:
+                        continue
+                    finished.add(seq.index)
+                    message, reason = _assistant_message(body, "".join(held_text), reason)
+                    message.pop("role")
+                    if "tool_calls" in message:
+                        message = {"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]}
+                    logprobs = chat_logprobs(held_ids, held_lps, body.num_top_logprobs, body.return_tokens_as_token_ids) if body.logprobs else None
+                    yield chunk(seq.index, message, logprobs, reason, seq.stop_reason)
+                    continue
                 if not seq.text and reason is None and (not body.logprobs or not seq.token_ids):
                     continue
                 logprobs = chat_logprobs(seq.token_ids, seq.logprobs, body.num_top_logprobs, body.return_tokens_as_token_ids) if body.logprobs else None

@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, field_validator, model_validator
 
 from pagoda.exec.structured_output import check_structured_outputs
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.serve.tool_calls import ToolChoiceError, tool_call_schema
 
 _SEED_MAX = 2**63 - 1
 # Integers travel to the engine core as msgpack, which holds 64 bits: larger ones must be a 400 here,
@@ -132,6 +133,14 @@ class _SamplingFields(_Request):
             # As vLLM: a stream's chunks have no place for them.
             raise FieldError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         return self
+
+    @property
+    def structured_outputs_requested(self) -> bool:
+        rf = self.response_format
+        return (rf is not None and rf.get("type") not in (None, "text")) or any(
+            getattr(self, name) is not None
+            for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The one structured-outputs request among the fields that can make it, or None."""
@@ -304,6 +313,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    _tool_call: tuple[str, dict] | None = PrivateAttr(default=None)  # (mode, schema), from tool_call_schema
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -313,14 +323,38 @@ class ChatCompletionRequest(_SamplingFields):
     def _check(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tools are not supported by this server")
+        try:
+            self._tool_call = tool_call_schema(self.tools, self.tool_choice)
+        except ToolChoiceError as exc:
+            raise FieldError(str(exc), param=exc.param) from None
+        if self._tool_call is not None and self.structured_outputs_requested:
+            raise FieldError("tool_choice and structured outputs (response_format, structured_outputs, guided_*) "
+                             "cannot be combined", param="tool_choice")
         return self
+
+    @property
+    def tool_call_mode(self) -> str | None:
+        """"named" or "required" when the answer is tool calls, else None."""
+        return self._tool_call[0] if self._tool_call is not None else None
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs)
+        if self._tool_call is not None:
+            # The calls' JSON, enforced token by token (a named function: its parameters' schema).
+            params.structured_outputs = StructuredOutputsParams(json=self._tool_call[1])
+            try:
+                check_structured_outputs(params.structured_outputs)
+            except ValueError as exc:  # a parameters schema llguidance cannot compile
+                raise FieldError(f"tools: {exc}", param="tools") from None
+        return params
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, plus the tools for templates that show them to the model."""
+        if not self.tools:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "tools": self.tools}
 
     @property
     def num_top_logprobs(self) -> int:

@@ -398,6 +398,43 @@ def test_structured_outputs(client, http):
     assert re.fullmatch("[0-9]{3}", digits.text)
 
 
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather of a city",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                       "properties": {"city": {"type": "string", "maxLength": 20},
+                                      "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}},
+    {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                           "properties": {"zone": {"type": "string", "maxLength": 10}}}}},
+]
+
+
+def test_tool_calls_named_and_required(client):
+    """tool_choice as a named function or "required": the answer is tool_calls whose arguments follow
+    the function's parameters (enforced by structured outputs), streamed as one delta per choice."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+              max_tokens=80, temperature=0)
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           **kw).choices[0]
+    (call,) = named.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and named.finish_reason == "stop"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    required = client.chat.completions.create(tool_choice="required", **kw).choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.tool_calls
+    for c in required.message.tool_calls:
+        assert c.function.name in ("get_weather", "get_time") and isinstance(json.loads(c.function.arguments), dict)
+    streamed = []
+    for chunk in client.chat.completions.create(tool_choice="required", stream=True, **kw):
+        for c in chunk.choices:
+            streamed.extend((t.index, t.function.name, t.function.arguments) for t in c.delta.tool_calls or [])
+    assert streamed == [(i, c.function.name, c.function.arguments) for i, c in enumerate(required.message.tool_calls)]
+    # "none": text, as without tools.
+    text = client.chat.completions.create(tool_choice="none", **kw).choices[0]
+    assert text.message.content and not text.message.tool_calls
+
+
 def test_stream_usage_counts_cached_tokens_of_every_prompt(client):
     # Two prompts of more than one KV block each, sent once to fill the prefix cache: then both hit it,
     # and the streamed usage must report the same cached total as the whole response (not one prompt's).
@@ -537,6 +574,10 @@ def _bad_cases() -> list:
         ("regex that does not compile", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
         ("json schema that does not compile", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format"),
         ("response_format xml", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
+        ("tool_choice auto", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+        ("tool_choice names no tool", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+        ("tool without a name", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, 400, "tools"),
+        ("tool_choice with response_format", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "tool_choice"),
         ("two structured outputs", "/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
         ("logit_bias key not a token id", "/v1/completions", {"prompt": "x", "logit_bias": {"hello": 1}}, 400, "logit_bias"),
         ("logit_bias value a string", "/v1/completions", {"prompt": "x", "logit_bias": {"5": "10"}}, 400, "logit_bias"),

@@ -495,3 +495,21 @@ def test_config_failure_sent_just_before_the_core_exited_is_not_lost(tiny_model)
     finally:
         real_client.shutdown()  # never started: only removes its socket folder
         engine._tokenizer_thread.shutdown(wait=False)
+
+
+def test_tool_call_output_parsing():
+    from pagoda.serve.tool_calls import parse_tool_calls, tool_call_schema
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    named = {"type": "function", "function": {"name": "g"}}
+    assert tool_call_schema(tools, named) == ("named", {"type": "object"})  # no parameters: any object
+    mode, schema = tool_call_schema(tools, "required")
+    assert mode == "required" and [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "f"}, {"const": "g"}]
+    assert tool_call_schema(tools, "none") is None and tool_call_schema(None, None) is None
+    (call,) = parse_tool_calls("named", named, '{"x": 1}')
+    assert call["function"] == {"name": "g", "arguments": '{"x": 1}'} and call["id"].startswith("chatcmpl-tool-")
+    calls = parse_tool_calls("required", "required", '[{"name": "f", "parameters": {"a": "é"}}, {"name": "g", "parameters": {}}]')
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"a": "é"}'), ("g", "{}")]
+    # Cut short (max_tokens) before the JSON closed: no calls, the caller returns the text as content.
+    assert parse_tool_calls("named", named, '{"x": ') is None
