@@ -75,6 +75,9 @@ class EngineCore:
             enforce_eager=args.enforce_eager,
             structured_outputs=StructuredOutputs(self._tokenizer_and_eos, config.vocab_size),
         )
+        # The front end's tokenizer when it runs in this process (set by LLMEngine); structured
+        # outputs need one, and otherwise load their own on first use.
+        self.tokenizer: Any = None
         # Requests waiting for another request's prompt to be computed (n > 1 siblings).
         self._deferred: dict[str, list[Request]] = {}
         self.num_steps = 0
@@ -85,7 +88,8 @@ class EngineCore:
         self.iteration_tokens: list[int] = []
 
     def _tokenizer_and_eos(self) -> tuple[Any, int | None]:
-        tokenizer = load_tokenizer(self.loaded.source)
+        # In-process (LLMEngine) the front end's tokenizer, which may be one it was given.
+        tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(self.loaded.source)
         return tokenizer, eos_token_id_of(tokenizer, self.loaded.config)
 
     def _kv_cache_dtype(self) -> torch.dtype:

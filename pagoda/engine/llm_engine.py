@@ -24,6 +24,7 @@ class LLMEngine:
         check_device_available(args.device)
         self.core = EngineCore(args, loaded)
         self.tokenizer = load_tokenizer(self.core.loaded.source) if tokenizer == "auto" else tokenizer
+        self.core.tokenizer = self.tokenizer
         self.eos_token_id = eos_token_id_of(self.tokenizer, self.core.loaded.config)
         self.processor = OutputProcessor(self.tokenizer)
         self.max_model_len = self.core.max_model_len

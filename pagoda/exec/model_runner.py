@@ -223,7 +223,7 @@ class ModelRunner:
             logits = self.compute_logits(hidden[last_rows])
         reqs = [order[i] for i in sampling]
         constrained = [
-            (row, s.request_id, s.request.sampling_params.structured_outputs)
+            (row, s.request_id, s.request.sampling_params.structured_outputs, s.request.eos_token_id)
             for row, s in enumerate(reqs)
             if s.request.sampling_params.structured_outputs is not None
         ]
@@ -244,7 +244,7 @@ class ModelRunner:
         token_ids = result.token_ids.tolist()
         for s, tok in zip(reqs, token_ids):
             out.sampled_token_ids[s.request_id] = [tok]
-        for row, rid, _ in constrained:
+        for row, rid, _, _ in constrained:
             self.structured_outputs.accept(rid, token_ids[row])
         if result.logprobs is not None:
             lps, ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()

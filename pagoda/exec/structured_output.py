@@ -100,14 +100,29 @@ class StructuredOutputs:
             self.matchers[request_id] = m
         return m
 
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str, StructuredOutputsParams]]) -> None:
-        """Mask (in place, to -inf) the tokens each row's grammar does not allow next."""
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str, StructuredOutputsParams, int | None]]) -> None:
+        """Mask (in place, to -inf) the tokens each row's grammar does not allow next. Rows are
+        (row, request id, params, the request's EOS id)."""
         words = (self.vocab_size + 31) // 32
         bitmask = np.zeros((logits.shape[0], words), dtype=np.int32)
-        for row, request_id, params in rows:
-            # A complete grammar allows EOS alone, which ends the request (unless ignore_eos).
-            self.matcher(request_id, params).unsafe_compute_mask_ptr(bitmask[row].ctypes.data, words * 4)
-        apply_bitmask_(logits, bitmask, [row for row, _, _ in rows])
+        masked = []
+        for row, request_id, params, eos in rows:
+            try:
+                matcher = self.matcher(request_id, params)
+            except Exception as exc:
+                # The grammar was checked before the request was sent, so this is rare (the
+                # tokenizer, say). Ending this request with EOS keeps the rest of the batch running.
+                logger.error("structured outputs of %s: no matcher (%s: %s); ending it", request_id,
+                             type(exc).__name__, exc)
+                if eos is None or eos >= self.vocab_size:
+                    continue
+                bitmask[row].view(np.uint32)[eos // 32] = 1 << (eos % 32)  # EOS alone
+            else:
+                # A complete grammar allows EOS alone, which ends the request (unless ignore_eos).
+                matcher.unsafe_compute_mask_ptr(bitmask[row].ctypes.data, words * 4)
+            masked.append(row)
+        if masked:
+            apply_bitmask_(logits, bitmask, masked)
 
     def accept(self, request_id: str, token_id: int) -> None:
         m = self.matchers.get(request_id)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagoda import SamplingParams, StructuredOutputsParams
-from pagoda.exec.structured_output import apply_bitmask_, check_structured_outputs
+from pagoda.exec.structured_output import StructuredOutputs, apply_bitmask_, check_structured_outputs
 from tests.conftest import make_engine
 
 SCHEMA = {
@@ -118,3 +118,37 @@ def test_bitmask_bans_exactly_the_zero_bits_of_its_rows():
             allowed = (int(bitmask[row, t // 32]) >> (t % 32)) & 1
             assert (logits[row, t] == before[row, t]) if allowed else logits[row, t] == float("-inf")
     assert torch.equal(logits[1], before[1])  # an unconstrained row is untouched
+
+
+def test_a_matcher_that_cannot_be_built_ends_only_its_request():
+    def no_tokenizer():
+        raise OSError("tokenizer files vanished")
+
+    so = StructuredOutputs(no_tokenizer, vocab_size=100)
+    logits = torch.randn(2, 100)
+    before = logits.clone()
+    so.mask(logits, [(1, "r", StructuredOutputsParams(regex="a+"), 37)])
+    assert torch.equal(logits[0], before[0])  # not a constrained row
+    assert logits[1].argmax() == 37 and torch.isinf(logits[1]).sum() == 99  # EOS alone: the request ends
+
+
+def test_offline_engine_lends_its_tokenizer_and_a_failing_grammar_ends_only_its_request(
+    tiny_llama3_fp32, tmp_path, caplog
+):
+    # The tiny model's folder has no tokenizer: the core must use the one the engine was given. That
+    # word-level tokenizer has no decoder llguidance understands, so no matcher can be built (the
+    # grammar itself was fine): the constrained requests end with EOS, the other one is untouched.
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import save_tiny_tokenizer
+
+    save_tiny_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    llm = make_engine(tiny_llama3_fp32, tokenizer=tokenizer, num_gpu_blocks_override=64)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate(["w3 w4 w5"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    constrained = plain.clone(ignore_eos=False, structured_outputs=StructuredOutputsParams(choice=["w7 w8", "w9"]))
+    outs = llm.generate(["w3 w4 w5"] * 3, [constrained, plain, constrained], use_tqdm=False)
+    assert "decoder type" in caplog.text  # llguidance's complaint about this tokenizer: it was used
+    assert [o.outputs[0].token_ids for o in outs[::2]] == [[2], [2]]  # EOS (w2) alone, then stop
+    assert outs[1].outputs[0].token_ids == want
