@@ -60,7 +60,8 @@ def tool_call_schema(tools: list[dict[str, Any]] | None, tool_choice: str | dict
             for name, params in functions.items()
         ]
         return "required", {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if name is None:
         raise ToolChoiceError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', "
                               f"'function': {{'name': ...}}}}, got {tool_choice!r}", "tool_choice")
@@ -83,4 +84,7 @@ def parse_tool_calls(mode: str, tool_choice: Any, text: str) -> list[dict[str, A
         return None
     if mode == "named":
         return [_call(tool_choice["function"]["name"], json.dumps(value, ensure_ascii=False))]
-    return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+    try:  # the grammar made it a list of {name, parameters}, unless its matcher failed
+        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+    except (TypeError, KeyError):
+        return None

@@ -507,6 +507,9 @@ def test_tool_call_output_parsing():
     mode, schema = tool_call_schema(tools, "required")
     assert mode == "required" and [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "f"}, {"const": "g"}]
     assert tool_call_schema(tools, "none") is None and tool_call_schema(None, None) is None
+    for bad in ({"type": "function", "function": "g"}, {"type": "function"}, "sometimes"):
+        with pytest.raises(ValueError, match="tool_choice must be"):  # a 400, not an AttributeError's 500
+            tool_call_schema(tools, bad)
     (call,) = parse_tool_calls("named", named, '{"x": 1}')
     assert call["function"] == {"name": "g", "arguments": '{"x": 1}'} and call["id"].startswith("chatcmpl-tool-")
     calls = parse_tool_calls("required", "required", '[{"name": "f", "parameters": {"a": "é"}}, {"name": "g", "parameters": {}}]')
