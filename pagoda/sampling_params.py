@@ -61,6 +61,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 to 100)
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens; -1: max_model_len
     skip_special_tokens: bool = True
     detokenize: bool = True
     extra: dict = field(default_factory=dict)
@@ -129,6 +130,9 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
         ):
             raise bad("prompt_logprobs", "must be an integer >= 0")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
+            raise bad("truncate_prompt_tokens", "must be -1 (the context length) or an integer >= 1")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
         if self.logit_bias is not None:

@@ -37,6 +37,7 @@ from pagoda.engine.input_processor import (
     eos_token_id_of,
     make_core_requests,
     tokenize_prompt,
+    truncate_prompt,
     validate_prompt,
 )
 from pagoda.engine.messages import (
@@ -525,6 +526,7 @@ class AsyncLLM:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)
+        prompt_ids = truncate_prompt(prompt_ids, params, self.info.max_model_len)
         self.validate(prompt_ids, params)
         state = _RequestState(request_id, params.n)
         self._requests[request_id] = state

@@ -85,6 +85,18 @@ def chat_prompt_ids(
     return [int(t) for t in ids]
 
 
+def truncate_prompt(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation), or all of it."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return prompt_ids
+    if k == -1:
+        k = max_model_len
+    elif k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({k}) is larger than max_model_len ({max_model_len})")
+    return prompt_ids[-k:] if len(prompt_ids) > k else prompt_ids
+
+
 def validate_prompt(
     prompt_ids: list[int],
     params: SamplingParams,

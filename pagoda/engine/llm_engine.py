@@ -9,7 +9,14 @@ from typing import Any
 from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.devices import check_device_available
-from pagoda.engine.input_processor import Prompt, eos_token_id_of, make_core_requests, tokenize_prompt, validate_prompt
+from pagoda.engine.input_processor import (
+    Prompt,
+    eos_token_id_of,
+    make_core_requests,
+    tokenize_prompt,
+    truncate_prompt,
+    validate_prompt,
+)
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.model.loader import LoadedModel, load_tokenizer
 from pagoda.outputs import RequestOutput
@@ -44,6 +51,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         self._check_params(params)
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)
+        prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
         validate_prompt(
             prompt_ids,
             params,

@@ -194,7 +194,9 @@ def _add_biases(
             rows.extend([i] * len(p.logit_bias))
             tokens.extend(p.logit_bias)
             values.extend(min(_MAX_BIAS, max(-_MAX_BIAS, v)) for v in p.logit_bias.values())
-        if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+        # A grammar decides when a structured output ends: once it is complete it allows EOS alone,
+        # and masking that too would leave the row no token at all.
+        if p.min_tokens and len(output_token_ids[i]) < p.min_tokens and p.structured_outputs is None:
             eos = None if eos_token_ids is None or p.ignore_eos else eos_token_ids[i]
             # Ids past the vocabulary can never be sampled (and would index another row's logits).
             stops = {t for t in p.stop_token_ids if t < meta.vocab_size}

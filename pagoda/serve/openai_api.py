@@ -35,6 +35,7 @@ from pagoda.engine.async_llm import (
 )
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.engine.input_processor import truncate_prompt
 from pagoda.serve.app import ServerState, get_state, get_tenant
 from pagoda.serve.errors import APIError, bad_request, rate_limited, unavailable
 from pagoda.serve.openai_format import (
@@ -112,6 +113,22 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> Samplin
         msg = str(exc)
         param = exc.param if isinstance(exc, FieldError) else msg.split(" ", 1)[0] if msg else None
         raise bad_request(msg, param=param) from None
+
+
+def _truncate(state: ServerState, prompts: list[tuple[str | None, list[int]]],
+              params: SamplingParams) -> list[tuple[str | None, list[int]]]:
+    """truncate_prompt_tokens applied here, so that usage and echo see the prompt the engine runs (a
+    cut prompt echoes the text of its remaining tokens)."""
+    if params.truncate_prompt_tokens is None:
+        return prompts
+    out = []
+    for text, ids in prompts:
+        try:
+            kept = truncate_prompt(ids, params, state.engine.info.max_model_len)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="truncate_prompt_tokens") from None
+        out.append((text if len(kept) == len(ids) else None, kept))
+    return out
 
 
 def _validate_prompts(state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
@@ -260,6 +277,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                 raise bad_request(str(exc), param="prompt") from None
         else:
             prompts.append((None, list(p)))
+    prompts = _truncate(state, prompts, params)
     _validate_prompts(state, prompts, params, "prompt")
     prep = _Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
     _admit(state, prep)
@@ -447,7 +465,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise bad_request(str(exc), param="chat_template_kwargs") from None
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
-    prompts = [(None, ids)]
+    prompts = _truncate(state, [(None, ids)], params)
     _validate_prompts(state, prompts, params, "messages", logprobs_param="top_logprobs")
     prep = _Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
     _admit(state, prep)

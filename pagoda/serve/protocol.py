@@ -113,6 +113,7 @@ class _SamplingFields(_Request):
     priority: _Int64 | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: int | None = Field(None, ge=0)  # the prompt tokens' logprobs, top-N
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_INT64_MAX)  # keep the prompt's last k tokens
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs ({"json" | "regex" |
     # "choice" | "grammar" | "json_object": ...}) and its older guided_* fields.
     response_format: dict[str, Any] | None = None
@@ -207,6 +208,7 @@ class _SamplingFields(_Request):
             logit_bias={int(k): min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()} if self.logit_bias else None,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self._structured_outputs(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @property

@@ -171,6 +171,23 @@ def test_logit_bias_and_min_tokens_offline(tiny_llama3_fp32):
         llm.generate([[1, 2, 3]], greedy.clone(logit_bias={10**6: 1.0}), use_tqdm=False)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_llama3_fp32):
+    llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64, max_model_len=128)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompt = list(range(3, 53))
+    cut = llm.generate([prompt], greedy.clone(truncate_prompt_tokens=10), use_tqdm=False)[0]
+    tail = llm.generate([prompt[-10:]], greedy, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-10:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    # -1: the context length; a prompt over it is cut to it (which then leaves no room to generate).
+    assert llm.generate([prompt], greedy.clone(truncate_prompt_tokens=-1), use_tqdm=False)[0].prompt_token_ids == prompt
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.generate([list(range(3, 203))], greedy.clone(truncate_prompt_tokens=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(129\) is larger than max_model_len \(128\)"):
+        llm.generate([prompt], greedy.clone(truncate_prompt_tokens=129), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_a_failed_step_aborts_the_calls_requests(tiny_llama3_fp32):
     llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64)
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)

@@ -457,6 +457,11 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
     ignoring = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[6], ignore_eos=True)
     meta = SamplingMetadata.build([ignoring], [[]], [[1]], [None], 20, CPU, [5])
     assert sampler(logits[:1], meta).token_ids.tolist() == [5]
+    # A structured output's grammar decides when it ends (complete, it allows EOS alone).
+    from pagoda.sampling_params import StructuredOutputsParams
+
+    grammar = params.clone(structured_outputs=StructuredOutputsParams(choice=["a"]))
+    assert SamplingMetadata.build([grammar], [[]], [[1]], [None], 20, CPU, [5]).bias_rows is None
     # Stop ids past the vocabulary are never sampled anyway: no mask entry for them.
     far = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[10**6])
     meta = SamplingMetadata.build([far], [[]], [[]], [None], 20, CPU, [None])

@@ -481,6 +481,12 @@ def test_vllm_extensions(client, http):
     late = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[first],
                                      extra_body={"min_tokens": 3, "ignore_eos": True}).choices[0]
     assert late.text.startswith(first) and len(late.text) > len(first)
+    # truncate_prompt_tokens keeps the prompt's last tokens: usage and echo show what ran.
+    ids = tokenize(http, prompt=PROMPT)
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3
+    assert cut.choices[0].text.startswith(http.post("/detokenize", json={"tokens": ids[-3:]}).json()["prompt"])
     # logit_bias (OpenAI's: token id -> bias, clamped to [-100, 100]) forces or bans tokens.
     forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                        logit_bias={str(stop_id): 500}).choices[0]
@@ -570,6 +576,8 @@ def _bad_cases() -> list:
         ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),
         ("min_tokens above max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, None),
         ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+        ("truncate_prompt_tokens 0", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+        ("truncate_prompt_tokens past the context", "/v1/chat/completions", {"messages": CHAT, "truncate_prompt_tokens": CONTEXT}, 400, "truncate_prompt_tokens"),
         ("top_logprobs too many", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ("regex that does not compile", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
         ("json schema that does not compile", "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format"),
