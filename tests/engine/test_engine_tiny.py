@@ -151,7 +151,7 @@ def test_c9_every_message_round_trips_with_every_field_set():
         n=2, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1, presence_penalty=0.2,
         frequency_penalty=-0.3, seed=11, max_tokens=7, min_tokens=2, stop=["a", "bc"], stop_token_ids=[4, 5],
         ignore_eos=True, include_stop_str_in_output=True, logprobs=0, prompt_logprobs=1,
-        logit_bias={3: -1.5}, structured_outputs=StructuredOutputsParams(choice=["a", "b"]),
+        logit_bias={3: -1.5}, structured_outputs=StructuredOutputsParams(choice=["a", "b"]), truncate_prompt_tokens=5,
         skip_special_tokens=False, detokenize=False, extra={"k": [1, "v"]},
     )
     for f in dataclasses.fields(SamplingParams):
