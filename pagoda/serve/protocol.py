@@ -79,6 +79,24 @@ class _Request(_Body):
         return data
 
 
+# vLLM's older structured-outputs fields, each the StructuredOutputsParams key it sets.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _checked_structured_outputs(name: str, spec: dict[str, Any]) -> StructuredOutputsParams:
+    """StructuredOutputsParams(**spec) whose grammar compiles, else a FieldError naming the request
+    field `name` it came from (checked here so that the 400 names it)."""
+    try:
+        params = StructuredOutputsParams(**spec)
+        check_structured_outputs(params)
+    except TypeError:  # a key StructuredOutputsParams does not have
+        raise FieldError(f"{name}: give one of json, regex, choice, grammar or json_object, got {sorted(spec)}",
+                         param=name) from None
+    except ValueError as exc:
+        raise FieldError(f"{name}: {exc}", param=name) from None
+    return params
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
@@ -139,8 +157,7 @@ class _SamplingFields(_Request):
     def structured_outputs_requested(self) -> bool:
         rf = self.response_format
         return (rf is not None and rf.get("type") not in (None, "text")) or any(
-            getattr(self, name) is not None
-            for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            getattr(self, name) is not None for name in ("structured_outputs", *_GUIDED_FIELDS)
         )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
@@ -163,8 +180,7 @@ class _SamplingFields(_Request):
                                  param="response_format")
         if self.structured_outputs is not None:
             found.append(("structured_outputs", self.structured_outputs))
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                          ("guided_grammar", "grammar")):
+        for name, key in _GUIDED_FIELDS.items():
             if getattr(self, name) is not None:
                 found.append((name, {key: getattr(self, name)}))
         if not found:
@@ -172,16 +188,7 @@ class _SamplingFields(_Request):
         if len(found) > 1:
             raise FieldError(f"give one structured-outputs field, not {' and '.join(n for n, _ in found)}",
                              param=found[1][0])
-        name, spec = found[0]
-        try:
-            params = StructuredOutputsParams(**spec)
-            check_structured_outputs(params)  # here, so that the error names the field that was sent
-        except TypeError:  # a key StructuredOutputsParams does not have
-            raise FieldError(f"{name}: give one of json, regex, choice, grammar or json_object, got {sorted(spec)}",
-                             param=name) from None
-        except ValueError as exc:
-            raise FieldError(f"{name}: {exc}", param=name) from None
-        return params
+        return _checked_structured_outputs(*found[0])
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -345,11 +352,7 @@ class ChatCompletionRequest(_SamplingFields):
         params = self._sampling_params(max_tokens, logprobs)
         if self._tool_call is not None:
             # The calls' JSON, enforced token by token (a named function: its parameters' schema).
-            params.structured_outputs = StructuredOutputsParams(json=self._tool_call[1])
-            try:
-                check_structured_outputs(params.structured_outputs)
-            except ValueError as exc:  # a parameters schema llguidance cannot compile
-                raise FieldError(f"tools: {exc}", param="tools") from None
+            params.structured_outputs = _checked_structured_outputs("tools", {"json": self._tool_call[1]})
         return params
 
     def template_kwargs(self) -> dict[str, Any] | None:
