@@ -6,7 +6,7 @@
 #
 # Runs from the source tree (PYTHONPATH, no install: the machine's torch need not match the pin in
 # pyproject.toml). The offline path needs no server packages; if msgspec is missing (it is imported
-# by pagoda.engine.messages), a stand-in from benchmarks/gpu_shims is put on the path.
+# by pagoda.contracts.messages), a stand-in from benchmarks/gpu_shims is put on the path.
 # Each phase has its own time limit, so a hung phase still leaves the table to be printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -40,7 +40,7 @@ from pagoda.engine.input_processor import (
     truncate_prompt,
     validate_prompt,
 )
-from pagoda.engine.messages import (
+from pagoda.contracts.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequestType,

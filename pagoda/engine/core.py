@@ -16,7 +16,7 @@ import torch
 from pagoda.config import EngineArgs
 from pagoda.engine.context_length import resolve_max_model_len
 from pagoda.engine.input_processor import eos_token_id_of
-from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
+from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache

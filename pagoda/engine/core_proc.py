@@ -4,7 +4,7 @@ Why a process: the core's step loop is CPU/GPU bound Python; in the API process 
 GIL with HTTP parsing, tokenization and detokenization, and every request would slow every step.
 Here the API process only encodes small msgspec messages and the core never waits on HTTP.
 
-Wire (all messages defined in `pagoda.engine.messages`):
+Wire (all messages defined in `pagoda.contracts.messages`):
 - input  (API PUSH, bound  -> core PULL, connected): two frames, [kind byte, msgpack payload]
 - output (core PUSH, connected -> API PULL, bound): one frame, an `EngineCoreOutputs`
 Both are ipc:// sockets in a private temporary folder. The API side binds, so messages sent before
@@ -32,7 +32,7 @@ import zmq
 
 from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import eos_token_id_of
-from pagoda.engine.messages import (
+from pagoda.contracts.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from pagoda.engine.messages import EngineCoreRequest
+from pagoda.contracts.messages import EngineCoreRequest
 from pagoda.exec.structured_output import check_structured_outputs
 from pagoda.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.engine.detokenizer import IncrementalDetokenizer
-from pagoda.engine.messages import EngineCoreOutput
+from pagoda.contracts.messages import EngineCoreOutput
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
 

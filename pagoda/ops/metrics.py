@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagoda.engine.messages import EngineCoreStats
+from pagoda.contracts.messages import EngineCoreStats
 from pagoda.ops.request_events import FinishedRequest
 
 PREFIX = "pagoda:"

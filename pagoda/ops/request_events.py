@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.messages import EngineCoreOutputs
+from pagoda.contracts.messages import EngineCoreOutputs
 from pagoda.outputs import RequestOutput
 
 logger = logging.getLogger("pagoda.requests")

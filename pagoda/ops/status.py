@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Callable
 
-from pagoda.engine.messages import EngineCoreStats
+from pagoda.contracts.messages import EngineCoreStats
 from pagoda.ops.metrics import ServerMetrics
 
 logger = logging.getLogger("pagoda.status")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagoda import SamplingParams, StructuredOutputsParams
-from pagoda.engine.messages import (
+from pagoda.contracts.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreReady,

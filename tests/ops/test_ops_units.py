@@ -12,7 +12,7 @@ import threading
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.engine.messages import EngineCoreOutputs, EngineCoreStats
+from pagoda.contracts.messages import EngineCoreOutputs, EngineCoreStats
 from pagoda.ops.logs import JsonFormatter, RequestIdFilter, TextFormatter
 from pagoda.ops.metrics import ServerMetrics, one_two_five_buckets
 from pagoda.ops.request_events import FinishedRequest, RequestLogger, RequestTracker

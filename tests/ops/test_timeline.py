@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda import SamplingParams
-from pagoda.engine.messages import EngineCoreRequest
+from pagoda.contracts.messages import EngineCoreRequest
 from pagoda.engine.timeline import TimelineStore
 from tests.conftest import make_engine
 

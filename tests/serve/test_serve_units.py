@@ -239,7 +239,7 @@ def _stub_engine(tmp_path, send=None):
     ready (no tokenizer)."""
     from pagoda.config import EngineArgs
     from pagoda.engine.async_llm import AsyncLLM
-    from pagoda.engine.messages import EngineCoreReady
+    from pagoda.contracts.messages import EngineCoreReady
     from pagoda.engine.output_processor import OutputProcessor
 
     (tmp_path / "config.json").write_text("{}")  # enough for the engine to accept the folder
@@ -257,7 +257,7 @@ def test_request_that_cannot_be_sent_leaves_nothing_in_flight(tmp_path):
     """A request that fails while being sent to the core (here: msgpack cannot encode it) must be
     forgotten, else it counts as in flight for good: the waiting-queue bound counts it and a drain
     waits for it until its timeout. Children already sent are aborted in the core."""
-    from pagoda.engine.messages import EngineCoreRequestType
+    from pagoda.contracts.messages import EngineCoreRequestType
     from pagoda.sampling_params import SamplingParams
 
     sent: list[bytes] = []
@@ -307,7 +307,7 @@ def test_closing_a_stream_after_its_request_finished_aborts_nothing(tmp_path):
     """A request can finish in the core while its consumer has not read the final output yet (a
     client that goes away at that moment). Closing its stream then must neither send an abort nor
     report one: the request ended once, with its real reason, and metrics counted it so."""
-    from pagoda.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType
+    from pagoda.contracts.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType
     from pagoda.sampling_params import SamplingParams
 
     sent: list[bytes] = []
@@ -474,7 +474,7 @@ def test_config_failure_sent_just_before_the_core_exited_is_not_lost(tiny_model)
     from pagoda.config import EngineArgs
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.engine.core_proc import EngineConfigError
-    from pagoda.engine.messages import EngineCoreOutputs
+    from pagoda.contracts.messages import EngineCoreOutputs
 
     class LateClient:  # the failure message arrives only after the death was noticed
         async def recv(self) -> EngineCoreOutputs:

@@ -1,5 +1,5 @@
 """A stand-in for msgspec on the GPU machine, which lacks it (and cannot install it): only the offline
-path is run there, where `pagoda.engine.messages` declares its structs but never encodes one.
+path is run there, where `pagoda.contracts.messages` declares its structs but never encodes one.
 
 `Struct` subclasses become dataclasses (keyword options such as array_like are accepted and ignored);
 encoders and decoders exist but refuse to work, so a path that really needs msgspec fails loudly.

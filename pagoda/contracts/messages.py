@@ -1,4 +1,4 @@
-"""Messages between the front end and the engine core, as msgspec structs (cheap to send over ZMQ)."""
+"""Messages between the front ends and the engine core, as msgspec structs (cheap to send over ZMQ)."""
 
 from __future__ import annotations
 
