@@ -1,4 +1,4 @@
-"""Tests for the incremental detokenizer (TESTING.md C.8).
+"""Tests for the incremental detokenizer (docs/testing.md C.8).
 
 Two tokenizers are used. A tiny fake byte tokenizer (one token per UTF-8 byte) makes every split
 explicit and lets the tests assert exact deltas cheaply; SmolLM2's real byte-level BPE tokenizer

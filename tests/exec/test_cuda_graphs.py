@@ -1,4 +1,4 @@
-"""CUDA-graph decode: capture sizes, padding (TESTING.md C.5: padding rows write no KV and their
+"""CUDA-graph decode: capture sizes, padding (docs/testing.md C.5: padding rows write no KV and their
 outputs are ignored), and, on a GPU only, capture and replay against eager execution."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TESTING.md section B: the KV cache manager and the prefix cache, with exact block ids.
+"""docs/testing.md section B: the KV cache manager and the prefix cache, with exact block ids.
 
 Block 0 is the null block, so the first usable block is 1. block_size is 4 throughout.
 """

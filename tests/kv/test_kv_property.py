@@ -1,4 +1,4 @@
-"""TESTING.md C6: allocator invariants after random sequences of KV-manager operations."""
+"""docs/testing.md C6: allocator invariants after random sequences of KV-manager operations."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TESTING.md A1-A4, A7, A9, A10: request lifecycle, ordering, chunked prefill, priorities, leaks."""
+"""docs/testing.md A1-A4, A7, A9, A10: request lifecycle, ordering, chunked prefill, priorities, leaks."""
 
 from __future__ import annotations
 

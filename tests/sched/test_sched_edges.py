@@ -1,4 +1,4 @@
-"""TESTING.md C1, C2, C4, C7: fully cached prompts, same-step prefix sharing, chunk boundaries,
+"""docs/testing.md C1, C2, C4, C7: fully cached prompts, same-step prefix sharing, chunk boundaries,
 and requests that finish exactly once. block_size 4; block 0 is the null block."""
 
 from __future__ import annotations

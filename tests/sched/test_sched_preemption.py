@@ -1,4 +1,4 @@
-"""TESTING.md A6 and C3: preemption by recompute under KV pressure, and resuming from the cache.
+"""docs/testing.md A6 and C3: preemption by recompute under KV pressure, and resuming from the cache.
 
 block_size 4; block 0 is the null block. Prompts of 7 tokens take 2 blocks; the first decode
 (position 7) fits in the second block, the second decode (position 8) needs a third block.

@@ -1,4 +1,4 @@
-"""TESTING.md C6 (and A10) at the scheduler level: random arrivals, prompt lengths, priorities,
+"""docs/testing.md C6 (and A10) at the scheduler level: random arrivals, prompt lengths, priorities,
 aborts and fake sampled tokens over a small pool, with the invariants checked after every step.
 
 A fake KV store doubles as an oracle: every step, each scheduled request must find, in the slots of

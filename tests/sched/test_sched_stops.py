@@ -1,4 +1,4 @@
-"""TESTING.md A5: stop conditions applied by update(), with exact outputs and reasons."""
+"""docs/testing.md A5: stop conditions applied by update(), with exact outputs and reasons."""
 
 from __future__ import annotations
 
