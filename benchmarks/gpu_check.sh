@@ -38,7 +38,7 @@ phase "GPU-offline benchmark (--compare hf)"
 # transformers loads into the same process after Pagoda: leave it half the memory.
 timeout 200 "$PY" -c '
 import argparse, sys
-from pagoda.bench.cli import add_bench_parser  # not pagoda.cli.main: the serve subcommand is not needed here
+from pagoda.entrypoints.bench import add_bench_parser  # not the whole `pagoda` parser: only bench is needed here
 p = argparse.ArgumentParser(prog="pagoda")
 add_bench_parser(p.add_subparsers(dest="command", required=True))
 ns = p.parse_args(sys.argv[1:])

@@ -1,42 +1,62 @@
-"""Typed engine configuration, with vLLM's argument names and defaults where they exist."""
+"""Typed engine configuration, with vLLM's argument names and defaults where they exist.
+
+`EngineArgs` is the one home of every engine setting's name, default and help text: the command
+line (pagoda/entrypoints/engine_args.py) generates its flags from these fields, `--name-with-dashes`
+for `name`, with the help and choices given in each field's metadata. A field whose metadata says
+`"cli": "subcommand"` is declared by each subcommand itself (`model` is positional for `serve`;
+`--served-model-name` takes several names).
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 # The names `--dtype` takes (vLLM's) and the short ones the loader also accepts.
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _DTYPE_ALIASES = ("fp16", "bf16", "fp32")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 _INT_FIELDS = (
     "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "long_prefill_token_threshold",
     "kv_cache_memory", "num_gpu_blocks_override", "max_logprobs",
 )
 
 
+def _arg(default: object, help: str, **meta: object) -> object:
+    """A field with its command-line help (and choices, or "cli": "subcommand") in its metadata."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16/float16 halve an fp32 model's cache (CPU)
-    device: str = "auto"  # auto: cuda when available, else cpu
-    seed: int = 0
-    max_model_len: int | None = None  # None: the model's context length, capped at 8192
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # per-request cap on prefill tokens per step; 0: none
-    scheduling_policy: str = "fcfs"  # or "priority"
-    kv_cache_memory: int | None = None  # bytes for the KV cache; None: a default for the device
-    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (wins over memory sizing)
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    served_model_name: str | None = None
-    max_logprobs: int = 20  # the most logprobs a request may ask for (vLLM's default); -1: the vocabulary
+    model: str | None = _arg(None, "HF folder, .gguf file or SmolLM2-135M-Instruct (default)", cli="subcommand")
+    dtype: str = _arg("auto", "model weights and activations dtype; auto: the model's", choices=DTYPES)
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "KV cache dtype; auto: the model's. bfloat16/float16 store an fp32 model's K/V in half the memory "
+        "(CPU only; float16 keeps more precision, bfloat16 fp32's range)",
+        choices=KV_CACHE_DTYPES,
+    )
+    device: str = _arg("auto", "auto, cpu, cuda or cuda:N; auto: cuda when available, else cpu")
+    seed: int = _arg(0, "random seed for sampling")
+    max_model_len: int | None = _arg(None, "longest prompt + output in tokens; default: the model's context, capped at 8192")
+    max_num_seqs: int = _arg(256, "the most requests in one batch")
+    max_num_batched_tokens: int = _arg(2048, "the most tokens one engine step processes")
+    block_size: int = _arg(16, "tokens per KV cache block (a power of two)")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV cache of prompts' shared prefixes")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts' prefill over several steps")
+    long_prefill_token_threshold: int = _arg(0, "per-request cap on prefill tokens per step (chunked prefill); 0: none")
+    scheduling_policy: str = _arg(
+        "fcfs", "fcfs: first come, first served; priority: by the request's priority", choices=SCHEDULING_POLICIES
+    )
+    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache; default: a default for the device")
+    num_gpu_blocks_override: int | None = _arg(None, "exact number of KV blocks (wins over memory sizing)")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory the engine may use (KV cache sizing)")
+    enforce_eager: bool = _arg(False, "never capture CUDA graphs")
+    served_model_name: str | None = _arg(None, "the name clients use for the model", cli="subcommand")
+    max_logprobs: int = _arg(20, "the most logprobs (and prompt logprobs) a request may ask for; -1: the vocabulary")
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -65,7 +85,7 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -21,7 +21,7 @@ from pagoda.bench.workloads import allowed_token_ids, special_token_ids, vocab_f
 
 def _token_times_pagoda(runner: PagodaRunner, prompt_ids: list[int], output_len: int) -> tuple[float, list[float]]:
     """(start, time each output token became available) for one request run alone."""
-    from pagoda import SamplingParams
+    from pagoda.sampling_params import SamplingParams
 
     engine = runner.llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=runner.detokenize)

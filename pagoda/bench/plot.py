@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagoda.bench.serve import RequestResult, ServeConfig
+    from pagoda.bench.serve_types import RequestResult, ServeConfig
 
 
 def _cdf(ax: Any, values: list[float], label: str) -> None:

@@ -6,10 +6,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 from pathlib import Path
 from typing import Any
+
+from pagoda.config import EngineArgs
 
 
 def _f(x: Any, digits: int = 1) -> str:
@@ -17,7 +20,7 @@ def _f(x: Any, digits: int = 1) -> str:
 
 
 # Engine flags that default to on (argparse.BooleanOptionalAction): off is spelled --no-<flag>.
-_NEGATABLE = {"enable_prefix_caching", "enable_chunked_prefill"}
+_NEGATABLE = {f.name for f in dataclasses.fields(EngineArgs) if f.default is True}
 
 
 def command_line(rec: dict[str, Any]) -> str:

@@ -116,7 +116,7 @@ class PagodaRunner:
     """Pagoda's `LLM` built once; each run is one `generate` call over the whole workload."""
 
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any], detokenize: bool = True) -> None:
-        from pagoda import LLM
+        from pagoda.engine.llm import LLM
 
         t0 = time.perf_counter()
         self.llm = LLM(model, **engine_kwargs)
@@ -139,7 +139,7 @@ class PagodaRunner:
             raise BenchError("could not reset the prefix cache between runs (blocks still in use)")
 
     def _generate(self, requests: list[BenchRequest]) -> list[Any]:
-        from pagoda import SamplingParams
+        from pagoda.sampling_params import SamplingParams
 
         prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
         params = [

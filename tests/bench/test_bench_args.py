@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.cli import main
+from pagoda.entrypoints.cli import main
 
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--num-gpu-blocks-override", "64", "--seed", "0"]
 

@@ -7,8 +7,10 @@ import math
 
 import pytest
 
-from pagoda.bench.serve import RequestResult, ServeConfig, arrival_offsets, compute_metrics, make_prompts
-from pagoda.cli import main
+from pagoda.bench.serve import arrival_offsets, make_prompts
+from pagoda.bench.serve_metrics import compute_metrics
+from pagoda.bench.serve_types import RequestResult, ServeConfig
+from pagoda.entrypoints.cli import main
 
 
 def _serve_argv(url: str, out, *extra: str) -> list[str]:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagoda.cli import main
+from pagoda.entrypoints.cli import main
 
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--num-gpu-blocks-override", "256", "--seed", "0"]
 
@@ -57,7 +57,7 @@ def test_throughput_random_with_hf(tiny_model, tmp_path, capsys):
     assert f"{rec['ratio']['total_tokens_per_s']:.2f}x" in md and "| tp |" in md
     cmd = command_line(rec).split()
     assert cmd[:3] == ["pagoda", "bench", "throughput"] and "--runs" in cmd
-    from pagoda.bench.cli import add_bench_parser
+    from pagoda.entrypoints.bench import add_bench_parser
 
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))

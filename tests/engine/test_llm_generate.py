@@ -250,7 +250,7 @@ def test_cuda_device_without_cuda_is_a_value_error(tiny_llama3_fp32):
     ],
 )
 def test_cli_generate_refuses_bad_engine_flags_in_one_line(argv, message, capsys):
-    from pagoda.cli import main
+    from pagoda.entrypoints.cli import main
 
     # Refused before the model loads: the default model is never read.
     assert main(["generate", "hello", *argv]) == 2
@@ -261,7 +261,7 @@ def test_cli_generate_refuses_bad_engine_flags_in_one_line(argv, message, capsys
 def test_cli_takes_vllm_dtype_names():
     import argparse
 
-    from pagoda.cli import add_engine_args
+    from pagoda.entrypoints.engine_args import add_engine_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -92,7 +92,7 @@ def test_override_env_lets_the_engine_run_past_the_model_context(tiny_llama3_fp3
 
 
 def test_cli_generate_refuses_in_one_line(tiny_llama3_fp32, capsys):
-    from pagoda.cli import main
+    from pagoda.entrypoints.cli import main
 
     argv = ["generate", "hi", "--model", str(tiny_llama3_fp32.source.path), "--device", "cpu", "--max-model-len", "513"]
     assert main(argv) == 2

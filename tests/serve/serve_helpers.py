@@ -39,7 +39,7 @@ class ServerProcess:
         full_env["PAGODA_HOST"] = "127.0.0.1"
         full_env["PAGODA_PORT"] = str(self.port)
         self.env = full_env
-        self.cmd = cmd or [sys.executable, "-m", "pagoda.cli", "serve", *self.args]
+        self.cmd = cmd or [sys.executable, "-m", "pagoda", "serve", *self.args]
         self.log_path = Path(tempfile.mkstemp(prefix="pagoda-serve-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
         self.health_seen: list[int] = []

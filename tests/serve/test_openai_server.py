@@ -46,7 +46,7 @@ MAKE_SERVE = _make_serve_cmd()
 
 @pytest.fixture(scope="module")
 def server():
-    cmd = MAKE_SERVE or [sys.executable, "-m", "pagoda.cli", "serve"]
+    cmd = MAKE_SERVE or [sys.executable, "-m", "pagoda", "serve"]
     srv = ServerProcess(cmd=cmd).start()
     try:
         srv.wait_ready()

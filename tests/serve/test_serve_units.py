@@ -372,15 +372,15 @@ def test_merge_delta_concatenates():
 
 # -- pagoda serve failing cleanly ----------------------------------------------------------------------
 def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pagoda", "serve", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
 
 def test_serve_takes_vllms_max_logprobs_flag():
     import argparse
 
-    from pagoda.cli import engine_kwargs
-    from pagoda.serve.cli import add_serve_parser
+    from pagoda.entrypoints.engine_args import engine_kwargs
+    from pagoda.entrypoints.serve import add_serve_parser
 
     ns = add_serve_parser(argparse.ArgumentParser().add_subparsers()).parse_args(["--max-logprobs", "-1"])
     assert engine_kwargs(ns)["max_logprobs"] == -1  # the engine's cap, which requests are checked against

@@ -1,6 +1,7 @@
-"""`pagoda serve [MODEL]`: the OpenAI-compatible server, with vLLM's flag names.
+"""`pagoda serve [MODEL]`: the OpenAI-compatible server's flags (vLLM's names), and the wiring of
+logging, API keys, the app, its operations routes and the server behind them.
 
-`pagoda.cli` registers this subcommand through `add_serve_parser` when the module exists.
+`pagoda.entrypoints.cli` registers this subcommand through `add_serve_parser`.
 --host and --port default to $PAGODA_HOST / $PAGODA_PORT when set (so `make serve` can be pointed
 at another port without editing the Makefile), else 0.0.0.0:8000 as vLLM.
 """
@@ -10,22 +11,23 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
+from typing import Any
+
+from pagoda.config import EngineArgs
+from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
 
 
-def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from pagoda.cli import add_engine_args
-    from pagoda.model.loader import DEFAULT_MODEL
-
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...).",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("model", nargs="?", default=None, help=f"HF folder, .gguf file or {DEFAULT_MODEL} (default)")
+    p.add_argument("model", nargs="?", default=EngineArgs.model, help=field_help("model"))
     p.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag (as vLLM accepts)")
-    p.add_argument("--host", default=os.environ.get("PAGODA_HOST", "0.0.0.0"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("PAGODA_PORT", "8000")))
+    p.add_argument("--host", default=os.environ.get("PAGODA_HOST", "0.0.0.0"), help="address to listen on")
+    p.add_argument("--port", type=int, default=int(os.environ.get("PAGODA_PORT", "8000")), help="port to listen on")
     p.add_argument(
         "--api-key", action="append", default=None,
         help="accept this API key (repeatable); with keys set, every /v1 route needs one",
@@ -34,14 +36,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "--api-keys-file", default=None,
         help="JSON or lines 'KEY [REQUESTS_PER_SECOND [TOKENS_PER_MINUTE [PRIORITY]]]' ('-' = unset)",
     )
-    p.add_argument("--served-model-name", nargs="+", default=None,
+    p.add_argument("--served-model-name", nargs="+", default=EngineArgs.served_model_name,
                    help="name(s) clients use for the model; the first is the one reported")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 429 while this many requests are already waiting for the engine")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds after which a request is aborted (504); default: none")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the least severe log lines shown")
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="json: one JSON object per line (both processes, uvicorn included)")
     p.add_argument("--enable-log-requests", action="store_true",
@@ -61,8 +64,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from pagoda.cli import engine_kwargs
-    from pagoda.config import EngineArgs
+    # Imported here, not at the top: `pagoda --help` and the other subcommands need none of them.
     from pagoda.model.loader import DEFAULT_MODEL, resolve_model
     from pagoda.ops.logs import LogSetup, configure_logging
     from pagoda.ops.server_ops import OpsConfig, install_ops
@@ -115,7 +117,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     )
     if state.startup_error is not None:
         # The engine core could not start with these arguments (found only once it loaded the
-        # model): end as the checks above do, with one line and exit code 2 (pagoda.cli.main).
+        # model): end as the checks above do, with one line and exit code 2 (pagoda.entrypoints.cli.main).
         raise ValueError(state.startup_error)
     return code
 
@@ -137,8 +139,3 @@ def _read_template(value: str | None) -> str | None:
         raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
     return value
 
-
-if __name__ == "__main__":  # python -m pagoda.serve.cli ...
-    from pagoda.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))

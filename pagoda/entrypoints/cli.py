@@ -1,0 +1,68 @@
+"""The `pagoda` command: the top parser, `pagoda generate`, and `main`, which runs a subcommand and
+turns a refused argument or model into one `pagoda: error:` line and exit code 2.
+
+`pagoda serve` lives in entrypoints/serve.py, `pagoda bench` in entrypoints/bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pagoda.config import EngineArgs
+from pagoda.entrypoints.bench import add_bench_parser
+from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
+from pagoda.entrypoints.serve import add_serve_parser
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from pagoda.engine.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+
+    llm = LLM(ns.model, **engine_kwargs(ns))
+    params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.sampling_seed)
+    if ns.chat:
+        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(ns.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    gen = subparsers.add_parser("generate", help="generate text for one prompt", formatter_class=HelpFormatter)
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=EngineArgs.model, help=field_help("model"))
+    gen.add_argument("--max-tokens", type=int, default=64, help="the most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="the request's own sampling seed")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return gen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine",
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    from pagoda.model.errors import ModelLoadError
+
+    try:
+        return ns.func(ns)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
