@@ -2,12 +2,16 @@
 
 The request keeps one token list (prompt + output) that grows in place, and the chained hashes of
 its full blocks, extended incrementally as tokens arrive so a lookup never rehashes a whole context.
+Its `StopConditions` say when it ends.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagoda.kv.hashing import BlockHash, BlockHasher, hash_block_tokens
@@ -38,6 +42,55 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_ABORTED: "abort",
 }
 FINISH_REASONS = dict(_FINISH_REASONS)
+
+
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH
+
+
+@dataclass(frozen=True, slots=True)
+class StopConditions:
+    """When a request ends, checked per output token in vLLM's order: EOS, then the stop token ids
+    (both only once min_tokens outputs exist), then the output cap. Precomputed from the sampling
+    parameters so that the per-token check is a few comparisons."""
+
+    eos_token_id: int | None  # None under ignore_eos (or when the model has none)
+    stop_token_ids: frozenset[int]
+    min_tokens: int
+    # Output tokens at most: max_tokens, lowered by the scheduler to what max_model_len leaves
+    # (`capped`); math.inf when neither bounds it yet.
+    max_output_tokens: float
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, eos_token_id: int | None) -> StopConditions:
+        return cls(
+            None if params.ignore_eos else eos_token_id,
+            frozenset(params.stop_token_ids or ()),
+            params.min_tokens,
+            math.inf if params.max_tokens is None else params.max_tokens,
+        )
+
+    def capped(self, max_output_tokens: int) -> StopConditions:
+        """These conditions with at most `max_output_tokens` outputs (e.g. what max_model_len leaves)."""
+        if max_output_tokens >= self.max_output_tokens:
+            return self
+        return replace(self, max_output_tokens=max_output_tokens)
+
+    def check(self, token_ids: Sequence[int], num_output_tokens: int) -> tuple[int, RequestStatus] | None:
+        """Check `token_ids` as appended one at a time after `num_output_tokens` outputs.
+
+        Returns None when none of them ends the request (the common case, so it allocates nothing),
+        else (how many to keep: up to and including the one that ends it, FINISHED_STOPPED or
+        FINISHED_LENGTH).
+        """
+        n_out = num_output_tokens
+        for token in token_ids:
+            n_out += 1
+            if n_out >= self.min_tokens and (token == self.eos_token_id or token in self.stop_token_ids):
+                return n_out - num_output_tokens, _STOPPED
+            if n_out >= self.max_output_tokens:
+                return n_out - num_output_tokens, _LENGTH
+        return None
 
 
 class Request:
@@ -79,15 +132,8 @@ class Request:
         self.num_prompt_logprobs = 0
         self.pending_prompt_logprobs: list[tuple[list[int], list[float], int]] = []
 
-        # (eos or None, stop token ids, min_tokens, max output tokens): what update() checks per
-        # token, precomputed; the scheduler folds max_model_len into the last field at admission.
-        sp = sampling_params
-        self._stop_spec: tuple[int | None, frozenset[int], int, float] = (
-            None if sp.ignore_eos else eos_token_id,
-            frozenset(sp.stop_token_ids or ()),
-            sp.min_tokens,
-            float("inf") if sp.max_tokens is None else sp.max_tokens,
-        )
+        # What update() checks per token; the scheduler caps it by max_model_len at admission.
+        self.stop_conditions = StopConditions.from_params(sampling_params, eos_token_id)
 
         self.block_hashes: list[BlockHash] = []
         self._block_size = 0  # 0: hashing not bound yet (the KV manager binds it)
@@ -117,6 +163,27 @@ class Request:
         self.all_token_ids.extend(token_ids)
         if self._block_size and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._block_size:
             self._hash_new_full_blocks()
+
+    def append_until_stop(self, token_ids: list[int]) -> RequestStatus | None:
+        """Append sampled tokens up to the first that meets a stop condition (later ones are cut).
+        Returns the finish status it sets (the caller finishes the request), or None. A stop token
+        other than EOS becomes stop_reason."""
+        output = self.output_token_ids
+        stop = self.stop_conditions.check(token_ids, len(output))
+        status = None
+        if stop is not None:
+            keep, status = stop
+            token_ids = token_ids[:keep]
+        # append_output_token_ids, inlined: this runs once per request per step.
+        all_ids = self.all_token_ids
+        output.extend(token_ids)
+        all_ids.extend(token_ids)
+        bs = self._block_size
+        if bs and len(all_ids) >= (len(self.block_hashes) + 1) * bs:
+            self._hash_new_full_blocks()
+        if status is _STOPPED and token_ids[-1] != self.stop_conditions.eos_token_id:
+            self.stop_reason = token_ids[-1]
+        return status
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -21,8 +21,6 @@ from pagoda.sched.queues import make_waiting_queue
 from pagoda.sched.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH
 
 
 class Scheduler:
@@ -56,7 +54,7 @@ class Scheduler:
             )
         self.kv.bind(request)
         # max_tokens and max_model_len folded into one cap on output tokens, checked per token.
-        request._stop_spec = request._stop_spec[:3] + (longest - n,)
+        request.stop_conditions = request.stop_conditions.capped(longest - n)
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self.waiting.push(request)
@@ -270,7 +268,7 @@ class Scheduler:
             token_ids = sampled_token_ids.get(request.request_id)
             if not token_ids:
                 continue
-            status = self._append_and_check_stop(request, token_ids)
+            status = request.append_until_stop(token_ids)
             changed.append(request)
             if status is not None:
                 request.status = status
@@ -281,30 +279,3 @@ class Scheduler:
             for request in finished:
                 self._finish(request, request.status)
         return changed
-
-    @staticmethod
-    def _append_and_check_stop(request: Request, token_ids: list[int]) -> RequestStatus | None:
-        """Append tokens one at a time, stopping at the first stop condition (later ones are cut).
-
-        Order per token: EOS (unless ignore_eos), stop token ids, then length (max_tokens or
-        max_model_len); EOS and stop tokens only count once min_tokens outputs exist.
-        """
-        eos, stop_ids, min_tokens, max_output = request._stop_spec
-        output = request.output_token_ids
-        all_ids = request.all_token_ids
-        block_size = request._block_size
-        hashes = request.block_hashes
-        for token in token_ids:
-            # Request.append_output_token_ids, inlined: this is the per-token hot path.
-            output.append(token)
-            all_ids.append(token)
-            if block_size and len(all_ids) >= (len(hashes) + 1) * block_size:
-                request._hash_new_full_blocks()
-            n_out = len(output)
-            if n_out >= min_tokens and (token == eos or token in stop_ids):
-                if token != eos:
-                    request.stop_reason = token
-                return _STOPPED
-            if n_out >= max_output:
-                return _LENGTH
-        return None
