@@ -262,7 +262,7 @@ class ModelRunner:
         for i, s in wanted:
             request = s.request
             c = s.num_computed_tokens
-            lo = max(c, request.num_prompt_logprobs)
+            lo = max(c, request.prompt_logprobs_from)
             hi = min(c + s.num_new_tokens, request.num_prompt_tokens - 1)
             if lo >= hi:
                 continue

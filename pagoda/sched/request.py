@@ -2,7 +2,8 @@
 
 The request keeps one token list (prompt + output) that grows in place, and the chained hashes of
 its full blocks, extended incrementally as tokens arrive so a lookup never rehashes a whole context.
-Its `StopConditions` say when it ends.
+Its `StopConditions` say when it ends. What the engine keeps per request (timelines, prompt-logprob
+rows) is the engine core's, by request id; the request holds only what scheduling reads.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from pagoda.kv.hashing import BlockHash, BlockHasher, hash_block_tokens
 from pagoda.sampling_params import SamplingParams
@@ -105,7 +105,7 @@ class Request:
         extra_keys: tuple = (),
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # never changed: steps share it with the runner
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -121,17 +121,15 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
-        self.timeline: Any = None  # the engine core's record of this request (pagoda.engine.timeline)
         # SamplingParams.prompt_logprobs: the prompt tokens' logprobs come from the rows the model
         # computes for them, so until they are all known the request reads no cached prefix (a hit's
-        # rows are never computed). See pagoda/exec/prompt_logprobs.py.
-        self.has_prompt_logprobs = sampling_params.prompt_logprobs is not None
-        # Prompt positions whose logprobs are known (row p scores prompt token p + 1); the rows wait
-        # in pending_prompt_logprobs until the first output carries them. Counted, not recomputed,
-        # when a preempted request computes its prompt again.
-        self.num_prompt_logprobs = 0
-        self.pending_prompt_logprobs: list[tuple[list[int], list[float], int]] = []
-
+        # rows are never computed). The rows are the engine core's; the request keeps only where they
+        # stand, which the core reports through advance_prompt_logprobs(): the first prompt position
+        # still lacking logprobs (row p scores prompt token p + 1), or None when no (more) are wanted.
+        # Every step carries it, so a preempted request that computes its prompt again is not scored
+        # twice.
+        wants = sampling_params.prompt_logprobs is not None and self.num_prompt_tokens > 1
+        self.prompt_logprobs_from: int | None = 0 if wants else None
         # What update() checks per token; the scheduler caps it by max_model_len at admission.
         self.stop_conditions = StopConditions.from_params(sampling_params, eos_token_id)
 
@@ -188,21 +186,12 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Some prompt position still lacks its logprobs."""
-        return self.has_prompt_logprobs and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+        return self.prompt_logprobs_from is not None
 
-    def add_prompt_logprobs(self, start: int, rows: list[tuple[list[int], list[float], int]]) -> None:
-        """Keep the rows of prompt positions [start, start + len(rows)) not seen before."""
-        skip = self.num_prompt_logprobs - start
-        if skip < 0:
-            raise ValueError(f"prompt logprobs of {self.request_id!r} from position {start}, "
-                             f"{self.num_prompt_logprobs} known: a gap")
-        fresh = rows[skip:]
-        self.pending_prompt_logprobs.extend(fresh)
-        self.num_prompt_logprobs += len(fresh)
-
-    def take_prompt_logprobs(self) -> list[tuple[list[int], list[float], int]]:
-        rows, self.pending_prompt_logprobs = self.pending_prompt_logprobs, []
-        return rows
+    def advance_prompt_logprobs(self, num_known: int) -> None:
+        """The logprobs of prompt positions [0, num_known) are known (the engine core keeps them)."""
+        if self.prompt_logprobs_from is not None:
+            self.prompt_logprobs_from = num_known if num_known < self.num_prompt_tokens - 1 else None
 
     def bind_block_hashing(self, block_size: int, hasher: BlockHasher = hash_block_tokens) -> None:
         """Start hashing full blocks of block_size tokens (idempotent for the same size)."""
