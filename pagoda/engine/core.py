@@ -20,6 +20,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.context_length import resolve_max_model_len
 from pagoda.engine.input_processor import eos_token_id_of
 from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
+from pagoda.contracts.step import SchedulerOutput
 from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.model_runner import ModelRunner
@@ -28,7 +29,6 @@ from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.kv.manager import KVCacheManager
 from pagoda.model.loader import LoadedModel, load_model, load_tokenizer
 from pagoda.sched.config import SchedulerConfig
-from pagoda.sched.output import SchedulerOutput
 from pagoda.sched.request import Request, RequestStatus
 from pagoda.sched.scheduler import Scheduler
 

@@ -8,15 +8,19 @@ finished requests.
 
 Each schedule() must be followed by exactly one update() with that output before the next
 schedule(): num_computed_tokens only advances in update().
+
+The step it returns is plain data (`pagoda.contracts.step`): requests are named by id, a request's
+prompt and sampling parameters go out once, when it is (re)admitted, and every row carries the token
+ids it computes, so building a step costs O(scheduled rows + tokens computed), not O(contexts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagoda.contracts.step import NewRequestData, ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.kv.manager import KVCacheManager
 from pagoda.sched.config import SchedulerConfig
-from pagoda.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.sched.queues import make_waiting_queue
 from pagoda.sched.request import Request, RequestStatus
 
@@ -134,7 +138,9 @@ class Scheduler:
             request = running[i]
             rid = request.request_id
             num_computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - num_computed
+            all_ids = request.all_token_ids
+            num_tokens = len(all_ids)
+            num_new = num_tokens - num_computed
             if num_new <= 0:
                 i += 1  # nothing known to compute (no token was sampled for it yet)
                 continue
@@ -154,7 +160,10 @@ class Scheduler:
                 if new_block_ids is None:
                     continue  # the request preempted itself; running[i] is now the next one
             scheduled.append(
-                ScheduledRequest(request, num_computed, num_new, new_block_ids, block_ids[:], False)
+                ScheduledRequest(
+                    rid, num_computed, num_new, all_ids[num_computed : num_computed + num_new],
+                    new_block_ids, block_ids[:], num_tokens, request.prompt_logprobs_from,
+                )
             )
             num_scheduled[rid] = num_new
             budget -= num_new
@@ -187,7 +196,8 @@ class Scheduler:
                 # Scheduled earlier in this step: take it back out of the batch.
                 index -= 1
                 out.num_scheduled_tokens.pop(victim.request_id, None)
-                out.scheduled[:] = [s for s in out.scheduled if s.request is not victim]
+                vid = victim.request_id
+                out.scheduled[:] = [s for s in out.scheduled if s.request_id != vid]
             self._preempt(victim, out)
             if victim is request:
                 return None, index
@@ -217,10 +227,17 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = _RUNNING
+            rid = request.request_id
+            # The runner holds no state for it: send what it rebuilds the request from, once.
+            new_request = NewRequestData(
+                request.prompt_token_ids, request.output_token_ids[:], request.sampling_params,
+                request.eos_token_id,
+            )
             out.scheduled.append(
                 ScheduledRequest(
-                    request, num_hit, num_new, new_block_ids,
-                    kv.req_to_block_ids[request.request_id][:], True,
+                    rid, num_hit, num_new, request.all_token_ids[num_hit : num_hit + num_new],
+                    new_block_ids, kv.req_to_block_ids[rid][:], request.num_tokens,
+                    request.prompt_logprobs_from, new_request,
                 )
             )
             out.num_scheduled_tokens[request.request_id] = num_new
@@ -254,12 +271,15 @@ class Scheduler:
         caching = kv.enable_prefix_caching
         bs = kv.block_size
         num_cached = kv.num_cached_blocks
+        requests = self.requests
         changed: list[Request] = []
         finished: list[Request] = []
         for sched in scheduler_output.scheduled:
-            request = sched.request
-            if request.status is not _RUNNING:
-                continue  # aborted or finished between schedule() and update()
+            request = requests.get(sched.request_id)
+            # None: aborted or finished between schedule() and update(); not running: its id was
+            # taken since by a new request, which waits (it cannot be in this step).
+            if request is None or request.status is not _RUNNING:
+                continue
             request.num_computed_tokens += sched.num_new_tokens
             if caching and request.num_computed_tokens // bs > num_cached[request.request_id]:
                 kv.cache_blocks(request)
