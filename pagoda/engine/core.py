@@ -3,6 +3,9 @@
 Each `step()` takes the scheduler's decision, runs it, feeds the sampled tokens back and returns
 plain `EngineCoreOutput`s (token ids, no text). The core runs in-process for `LLM` and in its own
 process behind the server.
+
+What the engine keeps per request lives here, by request id, not on the scheduler's `Request`: its
+timeline (`TimelineStore`) and its prompt-logprob rows until the first output (`PromptLogprobStore`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pagoda.config import EngineArgs
 from pagoda.engine.context_length import resolve_max_model_len
 from pagoda.engine.input_processor import eos_token_id_of
 from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
+from pagoda.contracts.step import SchedulerOutput
+from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
@@ -82,6 +87,7 @@ class EngineCore:
         self._deferred: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.timelines = TimelineStore()
+        self.prompt_logprobs = PromptLogprobStore()
         # Tokens scheduled per step, for the tokens-per-iteration histogram; the core process drains
         # it with every message (offline, nothing reads it, so it stays off).
         self.record_iteration_tokens = False
@@ -145,7 +151,9 @@ class EngineCore:
         rid = request.request_id
         if self.has_request(rid):
             raise ValueError(f"request id {rid!r} is already in use")
-        request.timeline = self.timelines.start(rid, time.time())
+        self.timelines.start(rid, time.time())
+        if req.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs.start(rid)
         try:
             leader = req.share_prompt_with
             if leader is not None and self.kv_manager.enable_prefix_caching and leader in self.scheduler.requests:
@@ -156,6 +164,7 @@ class EngineCore:
             self.scheduler.add_request(request)
         except Exception:
             self.timelines.live.pop(rid, None)  # refused: no timeline to keep
+            self.prompt_logprobs.drop(rid)
             raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -165,23 +174,25 @@ class EngineCore:
         counts = self._output_counts(request_ids)
         self.scheduler.abort_requests(request_ids)
         self.runner.release(request_ids)
-        self._end_timelines(counts, "abort")
+        self._end_from_outside(counts, "abort")
 
     def finish_requests(self, request_ids: list[str]) -> None:
         """End requests that the front end stopped (a stop string matched)."""
         counts = self._output_counts(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
         self.runner.release(request_ids)
-        self._end_timelines(counts, "stop")
+        self._end_from_outside(counts, "stop")
 
     def _output_counts(self, request_ids: list[str]) -> dict[str, int]:
         reqs = self.scheduler.requests
         return {rid: reqs[rid].num_output_tokens if rid in reqs else 0 for rid in request_ids}
 
-    def _end_timelines(self, output_counts: dict[str, int], reason: str) -> None:
+    def _end_from_outside(self, output_counts: dict[str, int], reason: str) -> None:
+        """Ended from outside (abort, stop string): close their timelines, drop their rows."""
         now = time.time()
         for rid, n_out in output_counts.items():
             self.timelines.end(rid, now, reason, n_out)
+            self.prompt_logprobs.drop(rid)
 
     def has_request(self, request_id: str) -> bool:
         """True while the request is unfinished (scheduled, waiting, or deferred behind a sibling)."""
@@ -210,11 +221,11 @@ class EngineCore:
         self._record_schedule(so, started)
         result = self.runner.execute(so)
         if result.prompt_logprobs:
-            for s in so.scheduled:
-                chunk = result.prompt_logprobs.get(s.request_id)
-                if chunk is not None:
-                    s.request.add_prompt_logprobs(*chunk)
-        before = {s.request_id: len(s.request.output_token_ids) for s in so.scheduled}
+            requests = self.scheduler.requests
+            for rid, (start, rows) in result.prompt_logprobs.items():
+                requests[rid].advance_prompt_logprobs(self.prompt_logprobs.add(rid, start, rows))
+        # Tokens known when scheduled, so outputs before this step: num_tokens - num_prompt_tokens.
+        known = {s.request_id: s.num_tokens for s in so.scheduled}
         changed = self.scheduler.update(so, result.sampled_token_ids)
         self.num_steps += 1
         if self.record_iteration_tokens:
@@ -224,13 +235,14 @@ class EngineCore:
         if ended:
             self.runner.release(ended)
         outputs = []
+        timelines = self.timelines.live
         for request in changed:
             rid = request.request_id
             # Stop handling may cut tokens of a multi-token step: report what was appended.
-            n_before = before[rid]
+            n_before = known[rid] - request.num_prompt_tokens
             new_ids = request.output_token_ids[n_before:]
             n_out = n_before + len(new_ids)
-            tl = request.timeline
+            tl = timelines[rid]
             tl.token(now, n_out, len(new_ids))
             lp = result.logprobs.get(rid)
             out = EngineCoreOutput(
@@ -244,25 +256,26 @@ class EngineCore:
             if n_before == 0:  # the first output: when the request was queued and first scheduled
                 out.queued_time = tl.arrival_time
                 out.scheduled_time = tl.first_scheduled or 0.0
-                if request.has_prompt_logprobs:
-                    out.prompt_logprobs = request.take_prompt_logprobs()
+                out.prompt_logprobs = self.prompt_logprobs.take(rid)
             if request.finish_reason is not None:
                 self.timelines.end(rid, now, request.finish_reason, n_out)
             outputs.append(out)
         return outputs
 
-    def _record_schedule(self, so, now: float) -> None:
+    def _record_schedule(self, so: SchedulerOutput, now: float) -> None:
         """Timeline entries of one step: admissions, prefill chunks (not decodes) and preemptions."""
+        timelines = self.timelines.live
+        requests = self.scheduler.requests
         for s in so.scheduled:
-            if s.is_new:
-                request = s.request
-                request.timeline.admitted(now, s.num_computed_tokens, request.num_preemptions > 0)
-            if s.is_new or s.num_new_tokens != 1 or s.num_computed_tokens + 1 < s.num_tokens:
-                s.request.timeline.prefill_chunk(now, s.num_computed_tokens, s.num_new_tokens)
+            is_new = s.is_new
+            if is_new:
+                resumed = requests[s.request_id].num_preemptions > 0
+                timelines[s.request_id].admitted(now, s.num_computed_tokens, resumed)
+            if is_new or s.num_new_tokens != 1 or s.num_computed_tokens + 1 < s.num_tokens:
+                timelines[s.request_id].prefill_chunk(now, s.num_computed_tokens, s.num_new_tokens)
         if so.preempted_request_ids:
             for rid in so.preempted_request_ids:
-                request = self.scheduler.requests[rid]
-                request.timeline.preempted(now, request.num_output_tokens)
+                timelines[rid].preempted(now, requests[rid].num_output_tokens)
 
     def timeline(self, request_id: str) -> list[dict]:
         """Timelines of a live or recently finished request (several for n > 1); [] when unknown."""

@@ -1,9 +1,13 @@
 """The model runner: turns one scheduling step into a flattened batch, runs the model and samples.
 
-Per-request state (its row in a persistent block-table array, its seeded generator) lives here
-between steps, so a decode step only copies the blocks that are new. On CUDA the attention backend is
-the Triton one and pure-decode steps replay CUDA graphs (`pagoda.exec.cuda_graphs`) unless
-`enforce_eager`; the only host sync of a step is copying the sampled token ids back.
+It reads only the plain-data step (`pagoda.contracts.step`), never a scheduler object. Per-request
+state lives here between steps: its row in a persistent block-table array, its seeded generator, and a
+mirror of its token ids and sampling parameters (`_CachedRequest`), built when the step says the
+request is new and extended by the token ids each step computes; so a decode step copies only the
+blocks and tokens that are new, and sampling reads exact token histories (penalties, min_tokens)
+without the scheduler sending them again. On CUDA the attention backend is the Triton one and
+pure-decode steps replay CUDA graphs (`pagoda.exec.cuda_graphs`) unless `enforce_eager`; the only host
+sync of a step is copying the sampled token ids back.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda.contracts.step import ScheduledRequest, SchedulerOutput
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_linear import logits_fn, pack_linears
 from pagoda.exec.cpu_memory import keep_freed_memory
@@ -23,7 +28,7 @@ from pagoda.exec.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
 from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.model.attention import AttentionContext
-from pagoda.sched.output import ScheduledRequest, SchedulerOutput
+from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -54,28 +59,39 @@ class _BlockTables:
 
     def __init__(self, max_rows: int, max_blocks: int) -> None:
         self.table = np.zeros((max_rows, max_blocks), dtype=np.int64)
-        self.lens = np.zeros(max_rows, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(max_rows - 1, -1, -1))
 
-    def row(self, s: ScheduledRequest) -> int:
-        row = self.row_of.get(s.request_id)
-        if row is None or s.is_new:
-            if row is None:
-                row = self.free_rows.pop()
-                self.row_of[s.request_id] = row
-            self.lens[row] = 0
-        have, nb = int(self.lens[row]), len(s.block_ids)
-        if nb > have:
-            self.table[row, have:nb] = s.block_ids[have:]
-            self.lens[row] = nb
+    def assign(self, request_id: str) -> int:
+        """The request's row (a free one for a request without one)."""
+        row = self.row_of.get(request_id)
+        if row is None:
+            row = self.free_rows.pop()
+            self.row_of[request_id] = row
         return row
 
     def drop(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
         if row is not None:
-            self.lens[row] = 0
             self.free_rows.append(row)
+
+
+class _CachedRequest:
+    """The runner's mirror of one live request: its tokens and sampling parameters (what sampling
+    and prompt logprobs read) and its block-table row, with how much of that row is filled."""
+
+    __slots__ = ("prompt_token_ids", "output_token_ids", "num_tokens", "sampling_params", "eos_token_id",
+                 "row", "num_blocks")
+
+    def __init__(self, prompt_token_ids: list[int], output_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_id: int | None, row: int) -> None:
+        self.prompt_token_ids = prompt_token_ids  # read only: shared with the scheduler's request
+        self.output_token_ids = output_token_ids  # the step's copy, extended here
+        self.num_tokens = len(prompt_token_ids) + len(output_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.row = row
+        self.num_blocks = 0  # entries of the row written so far (a kept row is rewritten)
 
 
 class ModelRunner:
@@ -106,6 +122,7 @@ class ModelRunner:
         # Rows for running requests plus those finishing in the same step as others are admitted.
         self.block_tables = _BlockTables(2 * max_num_seqs, max_blocks)
         self.generators: dict[str, torch.Generator] = {}
+        self.requests: dict[str, _CachedRequest] = {}
         self.graphs: CUDAGraphDecoder | None = None
         # Graphs need launches that read no device value on the host: the Triton backend's.
         if device.type == "cuda" and not enforce_eager and not isinstance(self.backend, TorchPagedAttention):
@@ -125,20 +142,54 @@ class ModelRunner:
     def _forget(self, request_ids: list[str], keep_generator: bool = False) -> None:
         for rid in request_ids:
             self.block_tables.drop(rid)
+            self.requests.pop(rid, None)  # a resumed request comes back with its tokens
             if not keep_generator:
                 self.generators.pop(rid, None)
                 if self.structured_outputs is not None:
                     self.structured_outputs.drop(rid)
 
-    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
-        seed = s.request.sampling_params.seed
+    def _generator(self, request_id: str, state: _CachedRequest) -> torch.Generator | None:
+        seed = state.sampling_params.seed
         if seed is None:
             return None
-        gen = self.generators.get(s.request_id)
+        gen = self.generators.get(request_id)
         if gen is None:
             gen = make_generator(seed, self.device)
-            self.generators[s.request_id] = gen
+            self.generators[request_id] = gen
         return gen
+
+    def _sync_requests(self, order: list[ScheduledRequest]) -> list[int]:
+        """Bring the per-request mirrors up to this step; returns their block-table rows.
+
+        New and resumed requests get a fresh mirror. The others are extended by the tokens this step
+        computes that they have not seen (those sampled last step), so at sampling time a row's
+        history is exactly its request's tokens. Block tables get the step's new blocks.
+        """
+        states = self.requests
+        tables = self.block_tables
+        table = tables.table
+        rows = []
+        for s in order:
+            new = s.new_request
+            if new is not None:
+                rid = s.request_id
+                state = _CachedRequest(new.prompt_token_ids, new.output_token_ids, new.sampling_params,
+                                       new.eos_token_id, tables.assign(rid))
+                states[rid] = state
+            else:
+                state = states[s.request_id]
+                c = s.num_computed_tokens
+                end = c + s.num_new_tokens
+                if end > state.num_tokens:
+                    state.output_token_ids.extend(s.new_token_ids[state.num_tokens - c :])
+                    state.num_tokens = end
+            block_ids = s.block_ids
+            nb = len(block_ids)
+            if nb > state.num_blocks:
+                table[state.row, state.num_blocks : nb] = block_ids[state.num_blocks :]
+                state.num_blocks = nb
+            rows.append(state.row)
+        return rows
 
     def prepare(self, so: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
         # Decodes first: the backend runs them as one batched attention.
@@ -146,12 +197,12 @@ class ModelRunner:
         prefills = [s for s in so.scheduled if s.num_new_tokens != 1]
         order = decodes + prefills
         bs = self.block_size
-        rows = [self.block_tables.row(s) for s in order]
+        rows = self._sync_requests(order)
         table = self.block_tables.table
         if not prefills:
             # Pure decode: one token per request, built without per-request arrays.
             starts = np.fromiter((s.num_computed_tokens for s in order), dtype=np.int64, count=len(order))
-            tokens = [s.request.all_token_ids[s.num_computed_tokens] for s in order]
+            tokens = [s.new_token_ids[0] for s in order]
             positions = starts
             slots = table[rows, starts // bs] * bs + starts % bs
             query_lens = np.ones(len(order), dtype=np.int64)
@@ -161,7 +212,7 @@ class ModelRunner:
             pos_parts, slot_parts = [], []
             for s, row in zip(order, rows):
                 c, n = s.num_computed_tokens, s.num_new_tokens
-                tokens.extend(s.request.all_token_ids[c : c + n])
+                tokens.extend(s.new_token_ids)
                 pos = np.arange(c, c + n, dtype=np.int64)
                 pos_parts.append(pos)
                 slot_parts.append(table[row, pos // bs] * bs + pos % bs)
@@ -210,7 +261,7 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)  # padding rows already dropped
         else:
             hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
-        wanted = [(i, s) for i, s in enumerate(order) if s.request.wants_prompt_logprobs]
+        wanted = [(i, s) for i, s in enumerate(order) if s.prompt_logprobs_from is not None]
         if wanted:
             self._prompt_logprobs(wanted, hidden, meta, out)
         sampling = [i for i, s in enumerate(order) if s.samples]
@@ -222,23 +273,24 @@ class ModelRunner:
             last_rows = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sampling], device=self.device)
             logits = self.compute_logits(hidden[last_rows])
         reqs = [order[i] for i in sampling]
+        states = [self.requests[s.request_id] for s in reqs]
         constrained = [
-            (row, s.request_id, s.request.sampling_params.structured_outputs, s.request.eos_token_id)
-            for row, s in enumerate(reqs)
-            if s.request.sampling_params.structured_outputs is not None
+            (row, s.request_id, st.sampling_params.structured_outputs, st.eos_token_id)
+            for row, (s, st) in enumerate(zip(reqs, states))
+            if st.sampling_params.structured_outputs is not None
         ]
         if constrained:
             if self.structured_outputs is None:
                 raise ValueError("this engine runs no structured outputs")
             self.structured_outputs.mask(logits, constrained)
         sampling_meta = SamplingMetadata.build(
-            [s.request.sampling_params for s in reqs],
-            [s.request.prompt_token_ids for s in reqs],
-            [s.request.output_token_ids for s in reqs],
-            [self._generator(s) for s in reqs],
+            [st.sampling_params for st in states],
+            [st.prompt_token_ids for st in states],
+            [st.output_token_ids for st in states],
+            [self._generator(s.request_id, st) for s, st in zip(reqs, states)],
             self.vocab_size,
             self.device,
-            [s.request.eos_token_id for s in reqs],
+            [st.eos_token_id for st in states],
         )
         result = self.sampler(logits, sampling_meta)
         token_ids = result.token_ids.tolist()
@@ -248,8 +300,8 @@ class ModelRunner:
             self.structured_outputs.accept(rid, token_ids[row])
         if result.logprobs is not None:
             lps, ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
-            for row, s in enumerate(reqs):
-                n = s.request.sampling_params.logprobs
+            for row, (s, st) in enumerate(zip(reqs, states)):
+                n = st.sampling_params.logprobs
                 if n is not None:
                     out.logprobs[s.request_id] = (ids[row][: 1 + n], lps[row][: 1 + n])
         return out
@@ -260,17 +312,18 @@ class ModelRunner:
         (a preempted request computes its prompt again)."""
         qsl = meta.query_start_loc_cpu
         for i, s in wanted:
-            request = s.request
+            state = self.requests[s.request_id]
+            prompt = state.prompt_token_ids
             c = s.num_computed_tokens
-            lo = max(c, request.num_prompt_logprobs)
-            hi = min(c + s.num_new_tokens, request.num_prompt_tokens - 1)
+            lo = max(c, s.prompt_logprobs_from)
+            hi = min(c + s.num_new_tokens, len(prompt) - 1)
             if lo >= hi:
                 continue
             first = qsl[i] + lo - c
             rows = prompt_logprob_rows(
                 self.compute_logits,
                 hidden[first : first + hi - lo],
-                request.prompt_token_ids[lo + 1 : hi + 1],
-                request.sampling_params.prompt_logprobs,
+                prompt[lo + 1 : hi + 1],
+                state.sampling_params.prompt_logprobs,
             )
             out.prompt_logprobs[s.request_id] = (lo, rows)

@@ -2,13 +2,17 @@
 
 The request keeps one token list (prompt + output) that grows in place, and the chained hashes of
 its full blocks, extended incrementally as tokens arrive so a lookup never rehashes a whole context.
+Its `StopConditions` say when it ends. What the engine keeps per request (timelines, prompt-logprob
+rows) is the engine core's, by request id; the request holds only what scheduling reads.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import time
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from pagoda.kv.hashing import BlockHash, BlockHasher, hash_block_tokens
 from pagoda.sampling_params import SamplingParams
@@ -40,6 +44,55 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
 FINISH_REASONS = dict(_FINISH_REASONS)
 
 
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH
+
+
+@dataclass(frozen=True, slots=True)
+class StopConditions:
+    """When a request ends, checked per output token in vLLM's order: EOS, then the stop token ids
+    (both only once min_tokens outputs exist), then the output cap. Precomputed from the sampling
+    parameters so that the per-token check is a few comparisons."""
+
+    eos_token_id: int | None  # None under ignore_eos (or when the model has none)
+    stop_token_ids: frozenset[int]
+    min_tokens: int
+    # Output tokens at most: max_tokens, lowered by the scheduler to what max_model_len leaves
+    # (`capped`); math.inf when neither bounds it yet.
+    max_output_tokens: float
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, eos_token_id: int | None) -> StopConditions:
+        return cls(
+            None if params.ignore_eos else eos_token_id,
+            frozenset(params.stop_token_ids or ()),
+            params.min_tokens,
+            math.inf if params.max_tokens is None else params.max_tokens,
+        )
+
+    def capped(self, max_output_tokens: int) -> StopConditions:
+        """These conditions with at most `max_output_tokens` outputs (e.g. what max_model_len leaves)."""
+        if max_output_tokens >= self.max_output_tokens:
+            return self
+        return replace(self, max_output_tokens=max_output_tokens)
+
+    def check(self, token_ids: Sequence[int], num_output_tokens: int) -> tuple[int, RequestStatus] | None:
+        """Check `token_ids` as appended one at a time after `num_output_tokens` outputs.
+
+        Returns None when none of them ends the request (the common case, so it allocates nothing),
+        else (how many to keep: up to and including the one that ends it, FINISHED_STOPPED or
+        FINISHED_LENGTH).
+        """
+        n_out = num_output_tokens
+        for token in token_ids:
+            n_out += 1
+            if n_out >= self.min_tokens and (token == self.eos_token_id or token in self.stop_token_ids):
+                return n_out - num_output_tokens, _STOPPED
+            if n_out >= self.max_output_tokens:
+                return n_out - num_output_tokens, _LENGTH
+        return None
+
+
 class Request:
     def __init__(
         self,
@@ -52,7 +105,7 @@ class Request:
         extra_keys: tuple = (),
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # never changed: steps share it with the runner
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -68,26 +121,17 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
-        self.timeline: Any = None  # the engine core's record of this request (pagoda.engine.timeline)
         # SamplingParams.prompt_logprobs: the prompt tokens' logprobs come from the rows the model
         # computes for them, so until they are all known the request reads no cached prefix (a hit's
-        # rows are never computed). See pagoda/exec/prompt_logprobs.py.
-        self.has_prompt_logprobs = sampling_params.prompt_logprobs is not None
-        # Prompt positions whose logprobs are known (row p scores prompt token p + 1); the rows wait
-        # in pending_prompt_logprobs until the first output carries them. Counted, not recomputed,
-        # when a preempted request computes its prompt again.
-        self.num_prompt_logprobs = 0
-        self.pending_prompt_logprobs: list[tuple[list[int], list[float], int]] = []
-
-        # (eos or None, stop token ids, min_tokens, max output tokens): what update() checks per
-        # token, precomputed; the scheduler folds max_model_len into the last field at admission.
-        sp = sampling_params
-        self._stop_spec: tuple[int | None, frozenset[int], int, float] = (
-            None if sp.ignore_eos else eos_token_id,
-            frozenset(sp.stop_token_ids or ()),
-            sp.min_tokens,
-            float("inf") if sp.max_tokens is None else sp.max_tokens,
-        )
+        # rows are never computed). The rows are the engine core's; the request keeps only where they
+        # stand, which the core reports through advance_prompt_logprobs(): the first prompt position
+        # still lacking logprobs (row p scores prompt token p + 1), or None when no (more) are wanted.
+        # Every step carries it, so a preempted request that computes its prompt again is not scored
+        # twice.
+        wants = sampling_params.prompt_logprobs is not None and self.num_prompt_tokens > 1
+        self.prompt_logprobs_from: int | None = 0 if wants else None
+        # What update() checks per token; the scheduler caps it by max_model_len at admission.
+        self.stop_conditions = StopConditions.from_params(sampling_params, eos_token_id)
 
         self.block_hashes: list[BlockHash] = []
         self._block_size = 0  # 0: hashing not bound yet (the KV manager binds it)
@@ -118,24 +162,36 @@ class Request:
         if self._block_size and len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self._block_size:
             self._hash_new_full_blocks()
 
+    def append_until_stop(self, token_ids: list[int]) -> RequestStatus | None:
+        """Append sampled tokens up to the first that meets a stop condition (later ones are cut).
+        Returns the finish status it sets (the caller finishes the request), or None. A stop token
+        other than EOS becomes stop_reason."""
+        output = self.output_token_ids
+        stop = self.stop_conditions.check(token_ids, len(output))
+        status = None
+        if stop is not None:
+            keep, status = stop
+            token_ids = token_ids[:keep]
+        # append_output_token_ids, inlined: this runs once per request per step.
+        all_ids = self.all_token_ids
+        output.extend(token_ids)
+        all_ids.extend(token_ids)
+        bs = self._block_size
+        if bs and len(all_ids) >= (len(self.block_hashes) + 1) * bs:
+            self._hash_new_full_blocks()
+        if status is _STOPPED and token_ids[-1] != self.stop_conditions.eos_token_id:
+            self.stop_reason = token_ids[-1]
+        return status
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Some prompt position still lacks its logprobs."""
-        return self.has_prompt_logprobs and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+        return self.prompt_logprobs_from is not None
 
-    def add_prompt_logprobs(self, start: int, rows: list[tuple[list[int], list[float], int]]) -> None:
-        """Keep the rows of prompt positions [start, start + len(rows)) not seen before."""
-        skip = self.num_prompt_logprobs - start
-        if skip < 0:
-            raise ValueError(f"prompt logprobs of {self.request_id!r} from position {start}, "
-                             f"{self.num_prompt_logprobs} known: a gap")
-        fresh = rows[skip:]
-        self.pending_prompt_logprobs.extend(fresh)
-        self.num_prompt_logprobs += len(fresh)
-
-    def take_prompt_logprobs(self) -> list[tuple[list[int], list[float], int]]:
-        rows, self.pending_prompt_logprobs = self.pending_prompt_logprobs, []
-        return rows
+    def advance_prompt_logprobs(self, num_known: int) -> None:
+        """The logprobs of prompt positions [0, num_known) are known (the engine core keeps them)."""
+        if self.prompt_logprobs_from is not None:
+            self.prompt_logprobs_from = num_known if num_known < self.num_prompt_tokens - 1 else None
 
     def bind_block_hashing(self, block_size: int, hasher: BlockHasher = hash_block_tokens) -> None:
         """Start hashing full blocks of block_size tokens (idempotent for the same size)."""

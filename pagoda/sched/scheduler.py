@@ -8,21 +8,23 @@ finished requests.
 
 Each schedule() must be followed by exactly one update() with that output before the next
 schedule(): num_computed_tokens only advances in update().
+
+The step it returns is plain data (`pagoda.contracts.step`): requests are named by id, a request's
+prompt and sampling parameters go out once, when it is (re)admitted, and every row carries the token
+ids it computes, so building a step costs O(scheduled rows + tokens computed), not O(contexts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagoda.contracts.step import NewRequestData, ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.kv.manager import KVCacheManager
 from pagoda.sched.config import SchedulerConfig
-from pagoda.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagoda.sched.queues import make_waiting_queue
 from pagoda.sched.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH
 
 
 class Scheduler:
@@ -56,7 +58,7 @@ class Scheduler:
             )
         self.kv.bind(request)
         # max_tokens and max_model_len folded into one cap on output tokens, checked per token.
-        request._stop_spec = request._stop_spec[:3] + (longest - n,)
+        request.stop_conditions = request.stop_conditions.capped(longest - n)
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self.waiting.push(request)
@@ -136,7 +138,9 @@ class Scheduler:
             request = running[i]
             rid = request.request_id
             num_computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - num_computed
+            all_ids = request.all_token_ids
+            num_tokens = len(all_ids)
+            num_new = num_tokens - num_computed
             if num_new <= 0:
                 i += 1  # nothing known to compute (no token was sampled for it yet)
                 continue
@@ -156,7 +160,10 @@ class Scheduler:
                 if new_block_ids is None:
                     continue  # the request preempted itself; running[i] is now the next one
             scheduled.append(
-                ScheduledRequest(request, num_computed, num_new, new_block_ids, block_ids[:], False)
+                ScheduledRequest(
+                    rid, num_computed, num_new, all_ids[num_computed : num_computed + num_new],
+                    new_block_ids, block_ids[:], num_tokens, request.prompt_logprobs_from,
+                )
             )
             num_scheduled[rid] = num_new
             budget -= num_new
@@ -189,7 +196,8 @@ class Scheduler:
                 # Scheduled earlier in this step: take it back out of the batch.
                 index -= 1
                 out.num_scheduled_tokens.pop(victim.request_id, None)
-                out.scheduled[:] = [s for s in out.scheduled if s.request is not victim]
+                vid = victim.request_id
+                out.scheduled[:] = [s for s in out.scheduled if s.request_id != vid]
             self._preempt(victim, out)
             if victim is request:
                 return None, index
@@ -219,10 +227,17 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = _RUNNING
+            rid = request.request_id
+            # The runner holds no state for it: send what it rebuilds the request from, once.
+            new_request = NewRequestData(
+                request.prompt_token_ids, request.output_token_ids[:], request.sampling_params,
+                request.eos_token_id,
+            )
             out.scheduled.append(
                 ScheduledRequest(
-                    request, num_hit, num_new, new_block_ids,
-                    kv.req_to_block_ids[request.request_id][:], True,
+                    rid, num_hit, num_new, request.all_token_ids[num_hit : num_hit + num_new],
+                    new_block_ids, kv.req_to_block_ids[rid][:], request.num_tokens,
+                    request.prompt_logprobs_from, new_request,
                 )
             )
             out.num_scheduled_tokens[request.request_id] = num_new
@@ -256,12 +271,15 @@ class Scheduler:
         caching = kv.enable_prefix_caching
         bs = kv.block_size
         num_cached = kv.num_cached_blocks
+        requests = self.requests
         changed: list[Request] = []
         finished: list[Request] = []
         for sched in scheduler_output.scheduled:
-            request = sched.request
-            if request.status is not _RUNNING:
-                continue  # aborted or finished between schedule() and update()
+            request = requests.get(sched.request_id)
+            # None: aborted or finished between schedule() and update(); not running: its id was
+            # taken since by a new request, which waits (it cannot be in this step).
+            if request is None or request.status is not _RUNNING:
+                continue
             request.num_computed_tokens += sched.num_new_tokens
             if caching and request.num_computed_tokens // bs > num_cached[request.request_id]:
                 kv.cache_blocks(request)
@@ -270,7 +288,7 @@ class Scheduler:
             token_ids = sampled_token_ids.get(request.request_id)
             if not token_ids:
                 continue
-            status = self._append_and_check_stop(request, token_ids)
+            status = request.append_until_stop(token_ids)
             changed.append(request)
             if status is not None:
                 request.status = status
@@ -281,30 +299,3 @@ class Scheduler:
             for request in finished:
                 self._finish(request, request.status)
         return changed
-
-    @staticmethod
-    def _append_and_check_stop(request: Request, token_ids: list[int]) -> RequestStatus | None:
-        """Append tokens one at a time, stopping at the first stop condition (later ones are cut).
-
-        Order per token: EOS (unless ignore_eos), stop token ids, then length (max_tokens or
-        max_model_len); EOS and stop tokens only count once min_tokens outputs exist.
-        """
-        eos, stop_ids, min_tokens, max_output = request._stop_spec
-        output = request.output_token_ids
-        all_ids = request.all_token_ids
-        block_size = request._block_size
-        hashes = request.block_hashes
-        for token in token_ids:
-            # Request.append_output_token_ids, inlined: this is the per-token hot path.
-            output.append(token)
-            all_ids.append(token)
-            if block_size and len(all_ids) >= (len(hashes) + 1) * block_size:
-                request._hash_new_full_blocks()
-            n_out = len(output)
-            if n_out >= min_tokens and (token == eos or token in stop_ids):
-                if token != eos:
-                    request.stop_reason = token
-                return _STOPPED
-            if n_out >= max_output:
-                return _LENGTH
-        return None

@@ -3,9 +3,11 @@ preemption, prefix caching, n > 1 and delta outputs neither change nor repeat th
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagoda import SamplingParams
+from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from tests.conftest import make_engine
 
 GREEDY32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -115,3 +117,32 @@ def test_delta_outputs_carry_prompt_logprobs_once(tiny_llama3_fp32):
     assert len(seen) == 5 and len(with_rows) == 1 and len(with_rows[0]) == len(prompt)
     # prompt_logprobs=0: just the prompt token at each position.
     assert all(len(e) == 1 and next(iter(e)) == t for e, t in zip(with_rows[0][1:], prompt[1:]))
+
+
+def test_store_keeps_each_position_once_and_refuses_a_gap():
+    store = PromptLogprobStore()
+    store.start("r")
+    row = lambda p: ([p], [-float(p)], 1)  # noqa: E731
+    assert store.add("r", 0, [row(0), row(1), row(2)]) == 3
+    # A preempted request computes its prompt again: the rows of known positions are dropped.
+    assert store.add("r", 1, [row(1), row(2), row(3)]) == 4
+    with pytest.raises(ValueError, match="from position 6, 4 known: a gap"):
+        store.add("r", 6, [row(6)])
+    assert store.take("r") == [row(0), row(1), row(2), row(3)]
+    assert store.take("r") is None and store.take("never-asked") is None and len(store) == 0
+    store.start("s")
+    store.drop("s")
+    assert len(store) == 0
+
+
+def test_engine_leaves_no_prompt_logprob_rows_behind(tiny_llama3_fp32):
+    llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=64, max_num_batched_tokens=16)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    eng.add_request({"prompt_token_ids": list(range(5, 45))}, params, request_id="done")
+    eng.add_request({"prompt_token_ids": list(range(5, 45))}, params, request_id="aborted")
+    eng.step()  # 16 tokens: "done" is mid-prompt, "aborted" waits
+    eng.abort_request("aborted")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(eng.core.prompt_logprobs) == 0

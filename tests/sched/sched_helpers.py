@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pagoda.contracts.step import SchedulerOutput
 from pagoda.kv import KVCacheManager
 from pagoda.sampling_params import SamplingParams
-from pagoda.sched import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from pagoda.sched import Request, Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, caching: bool = True, **config):

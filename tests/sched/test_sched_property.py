@@ -86,6 +86,7 @@ def test_c6_scheduler_invariants_random_workload(
     sched = Scheduler(config, kv)
     store: dict[int, list[int | None]] = {}  # block id -> the token whose KV each slot holds
     added: list[str] = []
+    objs: dict[str, Request] = {}  # every request added, by id: steps name requests by id only
     reported: set[str] = set()  # ids seen in finished_request_ids
     t = 0.0
 
@@ -103,7 +104,7 @@ def test_c6_scheduler_invariants_random_workload(
             assert not any(s.is_new for s in out.scheduled)
         # Oracle, read side: everything before num_computed_tokens was written by an earlier step.
         for s in out.scheduled:
-            r, nc, nn = s.request, s.num_computed_tokens, s.num_new_tokens
+            r, nc, nn = objs[s.request_id], s.num_computed_tokens, s.num_new_tokens
             assert nn >= 1 and nc + nn <= r.num_tokens
             if cap and chunking:
                 assert nn <= cap
@@ -120,13 +121,13 @@ def test_c6_scheduler_invariants_random_workload(
         for s in out.scheduled:
             for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
                 slot = store.setdefault(s.block_ids[pos // block_size], [None] * block_size)
-                slot[pos % block_size] = s.request.all_token_ids[pos]
+                slot[pos % block_size] = objs[s.request_id].all_token_ids[pos]
         # Fake sampler: a token for everyone (mid-prompt ones must be ignored), sometimes two.
         sampled = {rid: [rng.randrange(5) for _ in range(rng.choice((1, 1, 1, 2)))] for rid in ids}
-        before = {s.request_id: s.request.num_output_tokens for s in out.scheduled}
+        before = {s.request_id: objs[s.request_id].num_output_tokens for s in out.scheduled}
         changed = sched.update(out, sampled)
         for s in out.scheduled:
-            r = s.request
+            r = objs[s.request_id]
             if s.samples and r in changed:
                 assert r.num_output_tokens > before[r.request_id]
             else:
@@ -143,7 +144,8 @@ def test_c6_scheduler_invariants_random_workload(
             )
             rid = f"r{len(added)}"
             t += 1.0
-            sched.add_request(Request(rid, prompt, params, eos_token_id=0, arrival_time=t, priority=priority))
+            objs[rid] = Request(rid, prompt, params, eos_token_id=0, arrival_time=t, priority=priority)
+            sched.add_request(objs[rid])
             added.append(rid)
         for a in aborts:
             live = sorted(sched.requests)
