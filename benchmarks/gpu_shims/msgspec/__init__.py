@@ -24,6 +24,11 @@ class Struct:
         dataclasses.dataclass(cls)
 
 
+def field(*, default=dataclasses.MISSING, default_factory=dataclasses.MISSING, name: str | None = None):
+    """msgspec.field: a default or a default factory (the encoded name is ignored)."""
+    return dataclasses.field(default=default, default_factory=default_factory)
+
+
 def _unavailable(*_args, **_kwargs):
     raise RuntimeError("msgspec is not installed (benchmarks/gpu_shims stand-in): offline use only")
 
