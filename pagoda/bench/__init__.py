@@ -9,5 +9,5 @@
 - `models`: random-weight models of a given shape (the tiny test model, the GPU-offline model).
 
 The flags live in pagoda/entrypoints/bench.py. Speed is judged here and never in timed unit tests
-(DESIGN.md, "Measuring speed").
+(docs/architecture.md, "Measuring speed").
 """

@@ -1,7 +1,7 @@
 """Random-weight models of a given shape, saved as Hugging Face folders (config + safetensors).
 
 Speed depends on shapes, not on weight values, so a random model of the right shape stands in for
-checkpoints that cannot be downloaded here (DESIGN.md, "Models available without a network").
+checkpoints that cannot be downloaded here (docs/architecture.md, "Models without a network").
 A fixed seed makes the weights, and so the greedy outputs, the same on every machine.
 """
 
