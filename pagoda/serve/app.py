@@ -30,8 +30,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import pagoda
-from pagoda.engine.async_llm import AsyncLLM, ChatTemplateArgumentError
-from pagoda.engine.core_proc import EngineConfigError
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.errors import ChatTemplateArgumentError, EngineConfigError
 from pagoda.serve.errors import APIError, bad_request, error_body, install_error_handlers, rate_limited, unavailable
 from pagoda.serve.protocol import DetokenizeRequest, TokenizeRequest
 from pagoda.serve.tenants import ANONYMOUS, Tenant, TenantRegistry

@@ -23,16 +23,15 @@ from typing import Any, AsyncIterator, Awaitable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagoda.engine.async_llm import (
+from pagoda.engine.errors import (
     ChatTemplateArgumentError,
     EngineDeadError,
     EngineNotReadyError,
     RequestAbortedError,
     RequestRejectedError,
-    RequestStream,
     RequestTimeoutError,
-    merge_delta,
 )
+from pagoda.engine.request_stream import RequestStream, merge_delta
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.engine.input_processor import truncate_prompt
