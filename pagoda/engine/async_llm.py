@@ -2,8 +2,8 @@
 `CoreClient` (`pagoda.engine.core_client`) spawns, supervises and talks to; this object lives in
 the API process's event loop and owns the request side of it:
 
-- the tokenizer and chat template, and request validation (`pagoda.engine.input_processor`), the
-  tokenizer run on a thread of its own so that a long prompt does not stall other requests' streams;
+- the input processor (`pagoda.engine.input_processor`: tokenizer, chat template, validation), run
+  on a thread of its own so that a long prompt does not stall other requests' streams;
 - the output processor (incremental detokenization, stop strings) and the n > 1 fan-out;
 - the routing of the core's outputs to one asyncio queue per request, which its `RequestStream`
   (`pagoda.engine.request_stream`) reads.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import itertools
 import logging
 import time
@@ -31,10 +30,10 @@ from pagoda.config import EngineArgs
 from pagoda.contracts.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequestType, EngineCoreStats, encode
 from pagoda.engine.core_client import CoreClient
 from pagoda.engine.devices import check_device_available, limit_torch_threads
-from pagoda.engine.errors import (ChatTemplateArgumentError, EngineDeadError, EngineNotReadyError, RequestAbortedError,
+from pagoda.engine.errors import (EngineDeadError, EngineNotReadyError, InvalidRequestError, RequestAbortedError,
                                   RequestRejectedError)
-from pagoda.engine.input_processor import (Prompt, chat_prompt_ids, eos_token_id_of, make_core_requests,
-                                           tokenize_prompt, truncate_prompt, validate_prompt)
+from pagoda.engine.input_processor import (InputProcessor, ModelLimits, ProcessedPrompt, Prompt, eos_token_id_of,
+                                           make_core_requests)
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.request_stream import RequestState, RequestStream
 from pagoda.outputs import RequestOutput
@@ -47,15 +46,6 @@ __all__ = ["AsyncLLM"]
 
 # Called with every message from the core and the RequestOutputs it produced (hook for metrics).
 OutputListener = Callable[[EngineCoreOutputs, list[RequestOutput]], None]
-
-
-@functools.lru_cache(maxsize=None)
-def _chat_template_arguments(tokenizer_cls: type) -> frozenset[str]:
-    """The named parameters of the tokenizer's apply_chat_template that are not conversation content
-    (padding, truncation, tokenize, ...): its other keyword arguments become template variables."""
-    params = inspect.signature(tokenizer_cls.apply_chat_template).parameters.values()
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return frozenset(named - {"self", "tools", "documents"})
 
 
 class AsyncLLM:
@@ -86,6 +76,7 @@ class AsyncLLM:
         self.client.add_dead_callback(self._on_core_dead)
         self.tokenizer: Any = None
         self.processor: OutputProcessor | None = None
+        self._inputs: InputProcessor | None = None
         self.info: EngineCoreReady | None = None
         self.eos_token_id: int | None = None
         self.ready = False
@@ -141,6 +132,15 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id_of(tokenizer, info)
         self.processor = OutputProcessor(tokenizer)
+        limits = ModelLimits(
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            block_size=info.block_size,
+            num_usable_blocks=info.num_usable_blocks,
+            max_logprobs=self.args.max_logprobs,
+        )
+        # strict_max_tokens: the server's rule (OpenAI's): a max_tokens past the context is a 400.
+        self._inputs = InputProcessor(tokenizer, limits, strict_max_tokens=True, chat_template=self.chat_template)
         self.ready = True
 
     def _on_core_dead(self, reason: str) -> None:
@@ -219,20 +219,32 @@ class AsyncLLM:
     def model_name(self) -> str:
         return self.info.model_name
 
-    # -- text ------------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return tokenize_prompt(self.tokenizer, text, add_special_tokens)[1]
-
-    async def tokenize_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """tokenize() on the tokenizer thread: the event loop serves other requests meanwhile."""
-        return await self._off_loop(self.tokenize, text, add_special_tokens)
-
-    async def apply_chat_template_async(self, messages: list[dict], **kwargs: Any) -> list[int]:
-        """apply_chat_template() on the tokenizer thread (same arguments, same errors)."""
-        return await self._off_loop(functools.partial(self.apply_chat_template, messages, **kwargs))
+    # -- inputs ------------------------------------------------------------------------------------
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The checks of this engine's requests; EngineNotReadyError until the core is ready."""
+        if self._inputs is None:
+            raise EngineNotReadyError("the engine is starting")
+        return self._inputs
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    async def tokenize_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (InvalidRequestError on "prompt"), on the tokenizer thread: the event
+        loop serves other requests meanwhile."""
+        return await self._off_loop(self.input_processor.tokenize, text, add_special_tokens)
+
+    async def apply_chat_template_async(self, messages: list[dict], **kwargs: Any) -> list[int]:
+        """Token ids of a conversation (InputProcessor.render_chat: same arguments, same errors), on
+        the tokenizer thread."""
+        return await self._off_loop(functools.partial(self.input_processor.render_chat, messages, **kwargs))
+
+    async def process_inputs_async(self, prompt: Prompt, params: SamplingParams,
+                                   add_special_tokens: bool = True) -> ProcessedPrompt:
+        """The prompt tokenized, truncated and checked (InputProcessor.process) on the tokenizer
+        thread; pass the result to add_request with the same params and it is sent as is."""
+        return await self._off_loop(self.input_processor.process, prompt, params, add_special_tokens)
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.tokenizer is None:
@@ -241,52 +253,6 @@ class AsyncLLM:
         if any(t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"token ids must be in [0, {vocab})")
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(
-        self,
-        messages: list[dict],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-        chat_template_kwargs: dict | None = None,
-    ) -> list[int]:
-        """Token ids of a conversation; ValueError when the template cannot render it."""
-        tok = self.tokenizer
-        template = chat_template or self.chat_template
-        if tok is None or not (template or getattr(tok, "chat_template", None)):
-            raise ValueError("this model has no chat template; use /v1/completions")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
-        reserved = sorted(set(chat_template_kwargs or ()) & _chat_template_arguments(type(tok)))
-        if reserved:
-            # They would reach the tokenizer, not the template: {"truncation": true, "max_length": 2}
-            # would silently cut the prompt, {"tokenize": false} would return text.
-            raise ChatTemplateArgumentError(
-                f"chat_template_kwargs cannot set {', '.join(reserved)}: it holds template variables only"
-            )
-        return chat_prompt_ids(
-            tok,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template=template,
-            template_kwargs=chat_template_kwargs,
-        )
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        info = self.info
-        validate_prompt(
-            prompt_ids,
-            params,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-            block_size=info.block_size,
-            num_usable_blocks=info.num_usable_blocks,
-            strict_max_tokens=True,
-            max_logprobs=self.args.max_logprobs,
-            has_tokenizer=self.tokenizer is not None,
-        )
 
     # -- requests ----------------------------------------------------------------------------------
     def num_inflight_requests(self) -> int:
@@ -311,15 +277,16 @@ class AsyncLLM:
 
     async def add_request(
         self,
-        prompt: Prompt,
+        prompt: Prompt | ProcessedPrompt,
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = None,
     ) -> RequestStream:
-        """Validate and send a request; returns its stream of delta outputs.
+        """Check and send a request; returns its stream of delta outputs.
 
-        Raises ValueError for a bad request (nothing reaches the core), EngineDeadError,
+        `prompt` may be what `process_inputs_async` returned for these params: it is then sent as is.
+        Raises InvalidRequestError for a bad request (nothing reaches the core), EngineDeadError,
         EngineNotReadyError. The server uses this so that a bad request gets its 400 before any
         streaming response starts. The caller must iterate the stream to its end or close it.
         """
@@ -327,15 +294,14 @@ class AsyncLLM:
         if request_id is None:
             request_id = f"req-{next(self._request_ids)}"
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)
-        prompt_ids = truncate_prompt(prompt_ids, params, self.info.max_model_len)
-        self.validate(prompt_ids, params)
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        processed = self.input_processor.ensure_processed(prompt, params)
+        prompt_ids = processed.prompt_token_ids
         state = RequestState(request_id, params.n)
         self._requests[request_id] = state
         sent = 0
         try:
-            state.child_ids = self.processor.add_request(request_id, text, prompt_ids, params,
+            state.child_ids = self.processor.add_request(request_id, processed.text, prompt_ids, params,
                                                          self.eos_token_id, delta=True)
             for cid in state.child_ids:
                 self._child_to_parent[cid] = request_id
@@ -358,7 +324,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | ProcessedPrompt,
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,

@@ -31,7 +31,8 @@ from fastapi.responses import JSONResponse
 
 import pagoda
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.errors import ChatTemplateArgumentError, EngineConfigError
+from pagoda.engine.errors import EngineConfigError
+from pagoda.errors import InvalidRequestError
 from pagoda.serve.errors import APIError, bad_request, error_body, install_error_handlers, rate_limited, unavailable
 from pagoda.serve.protocol import DetokenizeRequest, TokenizeRequest
 from pagoda.serve.tenants import ANONYMOUS, Tenant, TenantRegistry
@@ -295,10 +296,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await engine.tokenize_async(body.prompt, add_special_tokens=add_special)
-    except ChatTemplateArgumentError as exc:
-        raise bad_request(str(exc), param="chat_template_kwargs") from None
-    except ValueError as exc:
-        raise bad_request(str(exc), param="messages" if body.messages is not None else "prompt") from None
+    except InvalidRequestError as exc:  # names its field: prompt, messages or chat_template_kwargs
+        raise bad_request(str(exc), param=exc.field) from None
     out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
     if body.return_token_strs:
         out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)

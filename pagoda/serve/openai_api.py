@@ -3,9 +3,13 @@ budgets), the engine requests, and the responses, streamed as server-sent events
 
 A request's path: body validated by pydantic (400 on failure) -> model checked (404) -> server
 accepting (503) -> sampling params built and prompts tokenized and checked against the context and
-the KV cache (400) -> admission: waiting-queue bound and the tenant's token bucket (429) -> one
-engine request per prompt -> stream or collect. Nothing reaches the engine before every check has
-passed, so a bad request never disturbs another.
+the KV cache, once, by the engine's input processor (400) -> admission: waiting-queue bound and the
+tenant's token bucket (429) -> one engine request per prompt -> stream or collect. Nothing reaches the
+engine before every check has passed, so a bad request never disturbs another.
+
+Each refusal arrives as an `InvalidRequestError` naming its field as the engine knows it; `Fields`
+turns that into the endpoint's own name for it (OpenAI's `param`): chat's prompt is its messages,
+its logprobs count is top_logprobs.
 
 Cancellation: a streaming response is cancelled by Starlette when the client disconnects; a whole
 response is raced against the client's disconnect here. Either way the engine streams are closed,
@@ -18,34 +22,22 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from pagoda.engine.errors import (
-    ChatTemplateArgumentError,
-    EngineDeadError,
-    EngineNotReadyError,
-    RequestAbortedError,
-    RequestRejectedError,
-    RequestTimeoutError,
-)
+from pagoda.engine.errors import (EngineDeadError, EngineNotReadyError, InvalidRequestError, RequestAbortedError,
+                                  RequestRejectedError, RequestTimeoutError)
+from pagoda.engine.input_processor import ProcessedPrompt, Prompt
 from pagoda.engine.request_stream import RequestStream, merge_delta
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.engine.input_processor import truncate_prompt
 from pagoda.serve.app import ServerState, get_state, get_tenant
 from pagoda.serve.errors import APIError, bad_request, rate_limited, unavailable
-from pagoda.serve.openai_format import (
-    SSE_DONE,
-    CompletionLogprobs,
-    chat_logprobs,
-    prompt_logprobs_json,
-    sse,
-    usage,
-)
-from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, prompt_logprobs_json, sse, usage
+from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pagoda.serve.request_context import request_id_var
 from pagoda.serve.tenants import Tenant
 from pagoda.serve.tool_calls import parse_tool_calls
@@ -53,22 +45,16 @@ from pagoda.serve.tool_calls import parse_tool_calls
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The engine's name of a field -> the endpoint's (absent: the same name).
+Fields = Mapping[str, str]
+COMPLETION_FIELDS: Fields = {}
+CHAT_FIELDS: Fields = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
-class SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body iterator, however the stream ends
-    (client gone, server stopping), so the engine requests behind it are aborted at once."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+def invalid_request(exc: InvalidRequestError, fields: Fields) -> APIError:
+    """The 400 of a refused request, naming the endpoint's field the error names."""
+    param = fields.get(exc.field, exc.field) if exc.field is not None else None
+    return bad_request(str(exc), param=param, code=exc.code)
 
 
 def engine_error(exc: BaseException) -> APIError:
@@ -88,12 +74,11 @@ def engine_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-# -- admission --------------------------------------------------------------------------------------
-class _Prepared:
-    """A validated request, ready to be sent to the engine."""
+class Prepared:
+    """A checked request, ready to be sent to the engine: one engine request per prompt."""
 
-    def __init__(self, model: str, params: SamplingParams, prompts: list[tuple[str | None, list[int]]],
-                 priority: int, tenant: Tenant) -> None:
+    def __init__(self, model: str, params: SamplingParams, prompts: list[ProcessedPrompt], priority: int,
+                 tenant: Tenant) -> None:
         self.model = model
         self.params = params
         self.prompts = prompts
@@ -102,50 +87,34 @@ class _Prepared:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(ids) for _, ids in self.prompts)
+        return sum(len(p.prompt_token_ids) for p in self.prompts)
 
 
-def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def sampling_params(body: Any, fields: Fields) -> SamplingParams:
+    """The body's SamplingParams; a 400 naming the field its checks refused."""
     try:
         return body.to_sampling_params()
-    except ValueError as exc:
-        msg = str(exc)
-        param = exc.param if isinstance(exc, FieldError) else msg.split(" ", 1)[0] if msg else None
-        raise bad_request(msg, param=param) from None
+    except InvalidRequestError as exc:
+        raise invalid_request(exc, fields) from None
+    except ValueError as exc:  # no field named: none is guessed
+        raise bad_request(str(exc)) from None
 
 
-def _truncate(state: ServerState, prompts: list[tuple[str | None, list[int]]],
-              params: SamplingParams) -> list[tuple[str | None, list[int]]]:
-    """truncate_prompt_tokens applied here, so that usage and echo see the prompt the engine runs (a
-    cut prompt echoes the text of its remaining tokens)."""
-    if params.truncate_prompt_tokens is None:
-        return prompts
+async def process_prompts(state: ServerState, prompts: list[Prompt], params: SamplingParams, fields: Fields,
+                          add_special_tokens: bool = True) -> list[ProcessedPrompt]:
+    """Each prompt tokenized, truncated and checked against the context and the KV cache, once (the
+    engine sends these as they are). A truncated prompt's usage and echo show what runs."""
     out = []
-    for text, ids in prompts:
+    for prompt in prompts:
         try:
-            kept = truncate_prompt(ids, params, state.engine.info.max_model_len)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="truncate_prompt_tokens") from None
-        out.append((text if len(kept) == len(ids) else None, kept))
+            out.append(await state.engine.process_inputs_async(prompt, params, add_special_tokens))
+        except InvalidRequestError as exc:
+            raise invalid_request(exc, fields) from None
     return out
 
 
-def _validate_prompts(state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                      param: str, logprobs_param: str = "logprobs") -> None:
-    # The field each kind of refusal is about, found in its message; else the prompt's field.
-    fields = {"max_tokens": "max_tokens", "logit_bias": "logit_bias", "structured outputs": "structured_outputs",
-              "Requested sample logprobs": logprobs_param, "Requested prompt logprobs": "prompt_logprobs"}
-    for _, ids in prompts:
-        try:
-            state.engine.validate(ids, params)
-        except ValueError as exc:
-            msg = str(exc)
-            field = next((f for key, f in fields.items() if key in msg), param)
-            raise bad_request(msg, param=field,
-                              code="context_length_exceeded" if "context" in msg else None) from None
-
-
-def _admit(state: ServerState, prep: _Prepared) -> None:
+def admit(state: ServerState, prep: Prepared) -> None:
+    """Refuse (429) when the waiting queue is full or the tenant is out of prompt tokens."""
     bound = state.config.max_waiting_requests
     if bound is not None and state.engine.estimated_num_waiting() >= bound:
         raise rate_limited(f"the server's waiting queue is full ({bound} requests); retry later", 1.0,
@@ -158,7 +127,8 @@ def _admit(state: ServerState, prep: _Prepared) -> None:
         )
 
 
-async def _start(state: ServerState, prep: _Prepared, request_id: str) -> list[RequestStream]:
+async def start(state: ServerState, prep: Prepared, request_id: str) -> list[RequestStream]:
+    """Send the engine requests (`request_id`, or `request_id-i` for prompt i of several)."""
     # From here on, log lines written while serving this request carry its id.
     request_id_var.set(request_id)
     logger.debug(
@@ -167,12 +137,9 @@ async def _start(state: ServerState, prep: _Prepared, request_id: str) -> list[R
     )
     streams: list[RequestStream] = []
     try:
-        for i, (text, ids) in enumerate(prep.prompts):
+        for i, prompt in enumerate(prep.prompts):
             rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
-            streams.append(
-                await state.engine.add_request({"prompt": text, "prompt_token_ids": ids}, prep.params, rid,
-                                               prep.priority)
-            )
+            streams.append(await state.engine.add_request(prompt, prep.params, rid, prep.priority))
     except BaseException as exc:
         for s in streams:
             s.close()
@@ -182,6 +149,25 @@ async def _start(state: ServerState, prep: _Prepared, request_id: str) -> list[R
             raise engine_error(exc) from None
         raise
     return streams
+
+
+# -- responses ------------------------------------------------------------------------------------
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator, however the stream ends
+    (client gone, server stopping), so the engine requests behind it are aborted at once."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -218,7 +204,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             s.close()
 
 
-async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for i, out in merge_streams(streams):
         finals[i] = out if finals[i] is None else merge_delta(finals[i], out)
@@ -254,8 +240,22 @@ async def run_cancellable(request: Request, work: Awaitable[Any]) -> Any:
     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_event(request_id: str, obj: str, created: int, prep: Prepared, completion_tokens: int, cached: int) -> str:
+    """The last event of a stream asked with stream_options.include_usage: no choices, the totals."""
+    return sse(
+        {
+            "id": request_id,
+            "object": obj,
+            "created": created,
+            "model": prep.model,
+            "choices": [],
+            "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
+        }
+    )
 
 
 # -- /v1/completions -------------------------------------------------------------------------------
@@ -264,35 +264,26 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     model = state.check_model(body.model)
     state.check_accepting()
-    engine = state.engine
     tenant = get_tenant(request)
-    params = _sampling_params(body)
-    prompts: list[tuple[str | None, list[int]]] = []
-    for p in body.prompts():
-        if isinstance(p, str):
-            try:
-                prompts.append((p, await engine.tokenize_async(p, add_special_tokens=body.add_special_tokens)))
-            except ValueError as exc:
-                raise bad_request(str(exc), param="prompt") from None
-        else:
-            prompts.append((None, list(p)))
-    prompts = _truncate(state, prompts, params)
-    _validate_prompts(state, prompts, params, "prompt")
-    prep = _Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
-    _admit(state, prep)
-    request_id = _new_id("cmpl")
-    streams = await _start(state, prep, request_id)
+    params = sampling_params(body, COMPLETION_FIELDS)
+    prompts = await process_prompts(state, body.prompts(), params, COMPLETION_FIELDS, body.add_special_tokens)
+    prep = Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
+    admit(state, prep)
+    request_id = new_id("cmpl")
+    streams = await start(state, prep, request_id)
     headers = {"x-request-id": request_id}
     if body.stream:
-        return SSEResponse(_completion_events(state, body, prep, request_id, streams), headers={**_SSE_HEADERS, **headers})
+        return SSEResponse(_completion_events(state, body, prep, request_id, streams), headers={**SSE_HEADERS, **headers})
     result = await run_cancellable(request, _completion_whole(state, body, prep, request_id, streams))
     if isinstance(result, Response):
         return result
     return JSONResponse(result, headers=headers)
 
 
-def _echo_texts(state: ServerState, prep: _Prepared) -> list[str]:
-    return [text if text is not None else state.engine.detokenize(ids) for text, ids in prep.prompts]
+def _echo_texts(state: ServerState, prep: Prepared) -> list[str]:
+    """What each prompt echoes: the text that runs (a cut prompt, the text of its remaining tokens)."""
+    return [p.text if p.text is not None and not p.truncated else state.engine.detokenize(p.prompt_token_ids)
+            for p in prep.prompts]
 
 
 def _generated(body: CompletionRequest, seq: CompletionOutput) -> tuple[list[int], list | None, str, str | None, Any]:
@@ -304,19 +295,19 @@ def _generated(body: CompletionRequest, seq: CompletionOutput) -> tuple[list[int
     return seq.token_ids, seq.logprobs, seq.text, seq.finish_reason, seq.stop_reason
 
 
-def _echo_logprobs_prompt(state: ServerState, prep: _Prepared, i: int, entries: list | None) -> tuple | None:
+def _echo_logprobs_prompt(state: ServerState, prep: Prepared, i: int, entries: list | None) -> tuple | None:
     """The prompt part of an echoing choice's logprobs (see CompletionLogprobs.make)."""
     if entries is None:
         return None
-    ids = prep.prompts[i][1]
+    ids = prep.prompts[i].prompt_token_ids
     return ids, entries, state.engine.detokenize(ids[:1])
 
 
-async def _completion_whole(state: ServerState, body: CompletionRequest, prep: _Prepared, request_id: str,
+async def _completion_whole(state: ServerState, body: CompletionRequest, prep: Prepared, request_id: str,
                             streams: list[RequestStream]) -> dict:
     completion_tokens = 0
     try:
-        finals = await _collect(streams)
+        finals = await collect(streams)
     except Exception as exc:
         raise engine_error(exc) from None
     finally:
@@ -360,21 +351,7 @@ async def _completion_whole(state: ServerState, body: CompletionRequest, prep: _
     }
 
 
-def _usage_event(request_id: str, obj: str, created: int, prep: _Prepared, completion_tokens: int, cached: int) -> str:
-    """The last event of a stream asked with stream_options.include_usage: no choices, the totals."""
-    return sse(
-        {
-            "id": request_id,
-            "object": obj,
-            "created": created,
-            "model": prep.model,
-            "choices": [],
-            "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
-        }
-    )
-
-
-async def _completion_events(state: ServerState, body: CompletionRequest, prep: _Prepared, request_id: str,
+async def _completion_events(state: ServerState, body: CompletionRequest, prep: Prepared, request_id: str,
                              streams: list[RequestStream]) -> AsyncIterator[str]:
     n = prep.params.n
     created = int(time.time())
@@ -432,7 +409,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
                     )
                 yield sse(chunk)
         if include_usage:
-            yield _usage_event(request_id, "text_completion", created, prep, completion_tokens, sum(cached.values()))
+            yield usage_event(request_id, "text_completion", created, prep, completion_tokens, sum(cached.values()))
         yield SSE_DONE
     except Exception as exc:
         yield sse(engine_error(exc).body())
@@ -449,30 +426,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = get_state(request)
     model = state.check_model(body.model)
     state.check_accepting()
-    engine = state.engine
     tenant = get_tenant(request)
-    params = _sampling_params(body)
+    params = sampling_params(body, CHAT_FIELDS)
     try:
-        messages = [m.to_template_dict() for m in body.messages]
-        ids = await engine.apply_chat_template_async(
-            messages,
+        ids = await state.engine.apply_chat_template_async(
+            [m.to_template_dict() for m in body.messages],
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.template_kwargs(),
         )
-    except ChatTemplateArgumentError as exc:
-        raise bad_request(str(exc), param="chat_template_kwargs") from None
-    except ValueError as exc:
-        raise bad_request(str(exc), param="messages") from None
-    prompts = _truncate(state, [(None, ids)], params)
-    _validate_prompts(state, prompts, params, "messages", logprobs_param="top_logprobs")
-    prep = _Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
-    _admit(state, prep)
-    request_id = _new_id("chatcmpl")
-    streams = await _start(state, prep, request_id)
+    except InvalidRequestError as exc:  # on messages or chat_template_kwargs
+        raise invalid_request(exc, CHAT_FIELDS) from None
+    prompts = await process_prompts(state, [{"prompt_token_ids": ids}], params, CHAT_FIELDS)
+    prep = Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
+    admit(state, prep)
+    request_id = new_id("chatcmpl")
+    streams = await start(state, prep, request_id)
     headers = {"x-request-id": request_id}
     if body.stream:
-        return SSEResponse(_chat_events(body, prep, request_id, streams), headers={**_SSE_HEADERS, **headers})
+        return SSEResponse(_chat_events(body, prep, request_id, streams), headers={**SSE_HEADERS, **headers})
     result = await run_cancellable(request, _chat_whole(body, prep, request_id, streams))
     if isinstance(result, Response):
         return result
@@ -491,10 +463,10 @@ def _assistant_message(body: ChatCompletionRequest, text: str, reason: str | Non
             "tool_calls" if mode == "required" and reason == "stop" else reason)
 
 
-async def _chat_whole(body: ChatCompletionRequest, prep: _Prepared, request_id: str,
+async def _chat_whole(body: ChatCompletionRequest, prep: Prepared, request_id: str,
                       streams: list[RequestStream]) -> dict:
     try:
-        (final,) = await _collect(streams)
+        (final,) = await collect(streams)
     except Exception as exc:
         raise engine_error(exc) from None
     finally:
@@ -526,7 +498,7 @@ async def _chat_whole(body: ChatCompletionRequest, prep: _Prepared, request_id: 
     return response
 
 
-async def _chat_events(body: ChatCompletionRequest, prep: _Prepared, request_id: str,
+async def _chat_events(body: ChatCompletionRequest, prep: Prepared, request_id: str,
                        streams: list[RequestStream]) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = body.include_usage
@@ -587,7 +559,7 @@ async def _chat_events(body: ChatCompletionRequest, prep: _Prepared, request_id:
                 delta = {"content": seq.text} if seq.text or reason is None else {}
                 yield chunk(seq.index, delta, logprobs, reason, seq.stop_reason if reason is not None else None)
         if include_usage:
-            yield _usage_event(request_id, "chat.completion.chunk", created, prep, completion_tokens, cached)
+            yield usage_event(request_id, "chat.completion.chunk", created, prep, completion_tokens, cached)
         yield SSE_DONE
     except Exception as exc:
         yield sse(engine_error(exc).body())
