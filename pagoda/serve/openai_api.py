@@ -34,7 +34,7 @@ from pagoda.engine.input_processor import ProcessedPrompt, Prompt
 from pagoda.engine.request_stream import RequestStream, merge_delta
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.serve.app import ServerState, get_state, get_tenant
+from pagoda.serve.state import ServerState, get_state, get_tenant
 from pagoda.serve.errors import APIError, bad_request, rate_limited, unavailable
 from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, prompt_logprobs_json, sse, usage
 from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
