@@ -1,261 +1,36 @@
-"""POST /v1/completions and /v1/chat/completions: validation, admission (queue bound, token
-budgets), the engine requests, and the responses, streamed as server-sent events or whole.
+"""POST /v1/completions and /v1/chat/completions: each endpoint's path from its body to its response,
+streamed as server-sent events or whole.
 
 A request's path: body validated by pydantic (400 on failure) -> model checked (404) -> server
 accepting (503) -> sampling params built and prompts tokenized and checked against the context and
 the KV cache, once, by the engine's input processor (400) -> admission: waiting-queue bound and the
 tenant's token bucket (429) -> one engine request per prompt -> stream or collect. Nothing reaches the
-engine before every check has passed, so a bad request never disturbs another.
-
-Each refusal arrives as an `InvalidRequestError` naming its field as the engine knows it; `Fields`
-turns that into the endpoint's own name for it (OpenAI's `param`): chat's prompt is its messages,
-its logprobs count is top_logprobs.
-
-Cancellation: a streaming response is cancelled by Starlette when the client disconnects; a whole
-response is raced against the client's disconnect here. Either way the engine streams are closed,
-which aborts their requests in the core at once.
+engine before every check has passed, so a bad request never disturbs another. The shared steps are
+in `pagoda.serve.admission`, the response machinery in `pagoda.serve.streaming`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-import uuid
-from typing import Any, AsyncIterator, Awaitable, Mapping
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
-from pagoda.engine.errors import (EngineDeadError, EngineNotReadyError, InvalidRequestError, RequestAbortedError,
-                                  RequestRejectedError, RequestTimeoutError)
-from pagoda.engine.input_processor import ProcessedPrompt, Prompt
-from pagoda.engine.request_stream import RequestStream, merge_delta
-from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import SamplingParams
-from pagoda.serve.state import ServerState, get_state, get_tenant
-from pagoda.serve.errors import APIError, bad_request, rate_limited, unavailable
+from pagoda.engine.request_stream import RequestStream
+from pagoda.errors import InvalidRequestError
+from pagoda.outputs import CompletionOutput
+from pagoda.serve.admission import (CHAT_FIELDS, COMPLETION_FIELDS, Prepared, admit, engine_error, invalid_request,
+                                    process_prompts, sampling_params, start)
 from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, prompt_logprobs_json, sse, usage
 from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
-from pagoda.serve.request_context import request_id_var
-from pagoda.serve.tenants import Tenant
+from pagoda.serve.state import ServerState, get_state, get_tenant
+from pagoda.serve.streaming import SSE_HEADERS, SSEResponse, collect, merge_streams, new_id, run_cancellable, usage_event
 from pagoda.serve.tool_calls import parse_tool_calls
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
-
-# The engine's name of a field -> the endpoint's (absent: the same name).
-Fields = Mapping[str, str]
-COMPLETION_FIELDS: Fields = {}
-CHAT_FIELDS: Fields = {"prompt": "messages", "logprobs": "top_logprobs"}
-
-
-def invalid_request(exc: InvalidRequestError, fields: Fields) -> APIError:
-    """The 400 of a refused request, naming the endpoint's field the error names."""
-    param = fields.get(exc.field, exc.field) if exc.field is not None else None
-    return bad_request(str(exc), param=param, code=exc.code)
-
-
-def engine_error(exc: BaseException) -> APIError:
-    """The HTTP error for an exception out of the engine."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, RequestTimeoutError):
-        logger.warning("timed out: %s", exc)
-        return APIError(504, str(exc), code="request_timeout")
-    if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
-        return unavailable(f"the engine is not running: {exc}")
-    if isinstance(exc, (RequestRejectedError, ValueError)):
-        return bad_request(str(exc))
-    if isinstance(exc, RequestAbortedError):
-        return APIError(503, str(exc), code="aborted")
-    logger.error("internal error: %s: %s", type(exc).__name__, exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-class Prepared:
-    """A checked request, ready to be sent to the engine: one engine request per prompt."""
-
-    def __init__(self, model: str, params: SamplingParams, prompts: list[ProcessedPrompt], priority: int,
-                 tenant: Tenant) -> None:
-        self.model = model
-        self.params = params
-        self.prompts = prompts
-        self.priority = priority
-        self.tenant = tenant
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p.prompt_token_ids) for p in self.prompts)
-
-
-def sampling_params(body: Any, fields: Fields) -> SamplingParams:
-    """The body's SamplingParams; a 400 naming the field its checks refused."""
-    try:
-        return body.to_sampling_params()
-    except InvalidRequestError as exc:
-        raise invalid_request(exc, fields) from None
-    except ValueError as exc:  # no field named: none is guessed
-        raise bad_request(str(exc)) from None
-
-
-async def process_prompts(state: ServerState, prompts: list[Prompt], params: SamplingParams, fields: Fields,
-                          add_special_tokens: bool = True) -> list[ProcessedPrompt]:
-    """Each prompt tokenized, truncated and checked against the context and the KV cache, once (the
-    engine sends these as they are). A truncated prompt's usage and echo show what runs."""
-    out = []
-    for prompt in prompts:
-        try:
-            out.append(await state.engine.process_inputs_async(prompt, params, add_special_tokens))
-        except InvalidRequestError as exc:
-            raise invalid_request(exc, fields) from None
-    return out
-
-
-def admit(state: ServerState, prep: Prepared) -> None:
-    """Refuse (429) when the waiting queue is full or the tenant is out of prompt tokens."""
-    bound = state.config.max_waiting_requests
-    if bound is not None and state.engine.estimated_num_waiting() >= bound:
-        raise rate_limited(f"the server's waiting queue is full ({bound} requests); retry later", 1.0,
-                           code="queue_full")
-    wait = prep.tenant.take_prompt_tokens(prep.num_prompt_tokens)
-    if wait > 0:
-        raise rate_limited(
-            f"Rate limit reached for {prep.tenant.name}: {prep.tenant.tokens_per_minute:g} tokens per minute",
-            wait,
-        )
-
-
-async def start(state: ServerState, prep: Prepared, request_id: str) -> list[RequestStream]:
-    """Send the engine requests (`request_id`, or `request_id-i` for prompt i of several)."""
-    # From here on, log lines written while serving this request carry its id.
-    request_id_var.set(request_id)
-    logger.debug(
-        "received: %d prompt(s), %d prompt tokens, max_tokens=%s, tenant=%s, priority=%d",
-        len(prep.prompts), prep.num_prompt_tokens, prep.params.max_tokens, prep.tenant.name, prep.priority,
-    )
-    streams: list[RequestStream] = []
-    try:
-        for i, prompt in enumerate(prep.prompts):
-            rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await state.engine.add_request(prompt, prep.params, rid, prep.priority))
-    except BaseException as exc:
-        for s in streams:
-            s.close()
-        # Nothing of it ran (children already sent are aborted at once): its tokens were not used.
-        prep.tenant.refund_prompt_tokens(prep.num_prompt_tokens)
-        if isinstance(exc, Exception):
-            raise engine_error(exc) from None
-        raise
-    return streams
-
-
-# -- responses ------------------------------------------------------------------------------------
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body iterator, however the stream ends
-    (client gone, server stopping), so the engine requests behind it are aborted at once."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, delta output) from several request streams, as they come."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out, None))
-            queue.put_nowait((i, None, None))
-        except Exception as exc:
-            queue.put_nowait((i, None, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, out, err = await queue.get()
-            if err is not None:
-                raise err
-            if out is None:
-                remaining -= 1
-                continue
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            s.close()
-
-
-async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in merge_streams(streams):
-        finals[i] = out if finals[i] is None else merge_delta(finals[i], out)
-    return finals  # type: ignore[return-value]
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def run_cancellable(request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work`, cancelling it if the client disconnects first (a whole response otherwise
-    keeps generating for nobody). Returns its result, or an empty 499 response."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except BaseException:
-        pass
-    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage_event(request_id: str, obj: str, created: int, prep: Prepared, completion_tokens: int, cached: int) -> str:
-    """The last event of a stream asked with stream_options.include_usage: no choices, the totals."""
-    return sse(
-        {
-            "id": request_id,
-            "object": obj,
-            "created": created,
-            "model": prep.model,
-            "choices": [],
-            "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
-        }
-    )
 
 
 # -- /v1/completions -------------------------------------------------------------------------------

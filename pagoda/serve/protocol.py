@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, field_validator, model_validator
 
-from pagoda.exec.structured_output import check_structured_outputs
+from pagoda.engine.input_processor import check_structured_outputs
 from pagoda.errors import InvalidRequestError
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.serve.tool_calls import tool_call_schema
