@@ -1,8 +1,8 @@
 """Pagoda: an LLM inference and serving engine. `from pagoda import LLM, SamplingParams`."""
 
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.version import __version__  # noqa: F401  (one place for it: pagoda.version)
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineArgs", "RequestOutput", "CompletionOutput"]
 
 

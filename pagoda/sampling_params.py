@@ -7,6 +7,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from pagoda.errors import InvalidRequestError
+
 _GREEDY_EPS = 1e-5
 
 
@@ -72,9 +74,10 @@ class SamplingParams:
         if self.stop is not None and not (
             isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop)
         ):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}",
+                                      "stop_token_ids")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -87,8 +90,9 @@ class SamplingParams:
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
 
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str) -> InvalidRequestError:
+            # Names its field: the server's 400 says which one without reading the message.
+            return InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", name)
 
         # Numbers first: a string would fail the comparisons below with a TypeError, and NaN would
         # pass every one of them (each comparison with NaN is false) and sample garbage.
@@ -143,9 +147,10 @@ class SamplingParams:
             ):
                 raise bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+                                      "stop_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,6 @@
-"""The engine core in its own process, and the API-side client that talks to it over ZMQ.
+"""The engine core's side of the process split: `run_engine_core`, the entry point of the core
+process, and `EngineCoreProc`, its loop around an `EngineCore` and two ZMQ sockets. The API side,
+which spawns this process and talks to it, is `pagoda.engine.core_client`.
 
 Why a process: the core's step loop is CPU/GPU bound Python; in the API process it would share the
 GIL with HTTP parsing, tokenization and detokenization, and every request would slow every step.
@@ -7,22 +9,17 @@ Here the API process only encodes small msgspec messages and the core never wait
 Wire (all messages defined in `pagoda.contracts.messages`):
 - input  (API PUSH, bound  -> core PULL, connected): two frames, [kind byte, msgpack payload]
 - output (core PUSH, connected -> API PULL, bound): one frame, an `EngineCoreOutputs`
-Both are ipc:// sockets in a private temporary folder. The API side binds, so messages sent before
-the core has connected simply wait in ZMQ.
 
-The core loop (`EngineCoreProc.run`): idle, it blocks on its input socket (waking once a second only
-to notice that its parent died); busy, it drains every pending input without blocking and runs one
+The loop (`EngineCoreProc.run`): idle, it blocks on its input socket (waking once a second only to
+notice that its parent died); busy, it drains every pending input without blocking and runs one
 `EngineCore.step()` per iteration, sending each step's outputs with a stats snapshot.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
-import shutil
 import signal
-import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -255,99 +252,3 @@ def run_engine_core(
         proc.close()
     if code:
         os._exit(code)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone (crashed, killed, or failed to start)."""
-
-
-class EngineConfigError(EngineDeadError):
-    """The engine core could not start with these arguments (the model does not load, the KV cache
-    is too small, ...): starting it again the same way fails the same way. Its text is the bare
-    reason, fit for a one-line usage error."""
-
-
-class CoreClient:
-    """API-side handle of the core process: spawns it, sends inputs, receives outputs (asyncio).
-
-    Inputs are sent with a plain (synchronous) ZMQ socket and NOBLOCK: a PUSH socket with no limit
-    never blocks while its peer lives, and when the peer is gone the send fails at once instead of
-    hanging the event loop.
-    """
-
-    def __init__(self, args: EngineArgs, log_level: str = "info", log_setup: Callable[[], None] | None = None) -> None:
-        self.args = args
-        self.log_level = log_level
-        self.log_setup = log_setup
-        self._tmpdir = tempfile.mkdtemp(prefix="pagoda-core-")
-        self.input_addr = f"ipc://{self._tmpdir}/input.sock"
-        self.output_addr = f"ipc://{self._tmpdir}/output.sock"
-        self.proc: multiprocessing.process.BaseProcess | None = None
-        self._ctx = None
-        self._actx = None
-        self.input = None
-        self.output = None
-        self._decode_outputs = decoder(EngineCoreOutputs)
-
-    def start(self) -> None:
-        import zmq.asyncio
-
-        self._ctx = zmq.Context(io_threads=1)
-        self.input = self._ctx.socket(zmq.PUSH)
-        self.input.setsockopt(zmq.SNDHWM, 0)
-        self.input.setsockopt(zmq.LINGER, 0)
-        self.input.bind(self.input_addr)
-        self._actx = zmq.asyncio.Context.shadow(self._ctx)
-        self.output = self._actx.socket(zmq.PULL)
-        self.output.setsockopt(zmq.RCVHWM, 0)
-        self.output.setsockopt(zmq.LINGER, 0)
-        self.output.bind(self.output_addr)
-        ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(
-            target=run_engine_core,
-            args=(self.args, self.input_addr, self.output_addr, os.getpid(), self.log_level, self.log_setup),
-            name="pagoda-engine-core",
-            daemon=True,
-        )
-        self.proc.start()
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    @property
-    def sentinel(self) -> int:
-        return self.proc.sentinel
-
-    def is_alive(self) -> bool:
-        return self.proc is not None and self.proc.is_alive()
-
-    def send(self, kind: bytes, payload: bytes = b"") -> None:
-        try:
-            self.input.send_multipart([kind, payload], flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            raise EngineDeadError("the engine core is not accepting input (not running)") from None
-
-    async def recv(self) -> EngineCoreOutputs:
-        frame = await self.output.recv(copy=False)
-        return self._decode_outputs.decode(frame.buffer)
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Ask the core to stop, then make sure it has; close sockets and remove the ipc folder."""
-        proc = self.proc
-        if proc is not None and proc.is_alive():
-            try:
-                self.send(EngineCoreRequestType.SHUTDOWN)
-            except EngineDeadError:
-                pass
-            proc.join(timeout)
-            if proc.is_alive():  # it ignores SIGTERM (see run_engine_core): go straight to SIGKILL
-                proc.kill()
-                proc.join(2.0)
-        for sock in (self.input, self.output):
-            if sock is not None:
-                sock.close(linger=0)
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        shutil.rmtree(self._tmpdir, ignore_errors=True)

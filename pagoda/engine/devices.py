@@ -1,4 +1,5 @@
-"""Whether the device the user named exists, checked before anything is built on it.
+"""Whether the device the user named exists, checked before anything is built on it; and keeping
+the API process's torch (if a tokenizer loaded it) off the cores the engine core computes on.
 
 One check for both front doors: `LLMEngine` (offline) and `AsyncLLM` (the server, in the API
 process, before the engine-core process is spawned). Without it, `--device cuda` on a machine
@@ -10,6 +11,8 @@ torch is imported only when a CUDA device is named: the API process otherwise ne
 """
 
 from __future__ import annotations
+
+import sys
 
 
 def check_device_available(device: str) -> None:
@@ -27,3 +30,16 @@ def check_device_available(device: str) -> None:
     if index and int(index) >= count:
         # Else torch's "invalid device ordinal" comes from the first tensor put there, mid-load.
         raise ValueError(f"device {device!r} was asked for but torch sees {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
+
+
+def limit_torch_threads() -> None:
+    """If torch is loaded in the API process (a tokenizer may import it), keep it to one thread: the
+    cores belong to the engine core. Importing torch only for this would cost seconds of start-up."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # only settable before the first parallel op; harmless if already fixed

@@ -1,21 +1,35 @@
-"""Front-end request preparation shared by both front doors (`LLMEngine` in-process, `AsyncLLM` for the
-server): prompt tokenization, chat rendering, request validation, and the fan-out of one request into its n core
+"""Request preparation for both front doors (`LLMEngine` in-process, `AsyncLLM` for the server):
+`InputProcessor` tokenizes a prompt (or renders a chat), truncates it (truncate_prompt_tokens) and
+checks it against the model once, and `make_core_requests` fans one request out into its n core
 requests.
 
-Pure functions over a tokenizer and a few model numbers, so they run on either side of the process
-split without the model or torch.
+Every refusal is an `InvalidRequestError` naming the field to blame (`.field`: a SamplingParams field,
+"prompt", "messages" or "chat_template_kwargs"; `.code` for a context overflow), so the server answers
+with OpenAI's `param` without reading messages. Pure Python over a tokenizer and a few model numbers:
+it runs in either process without the model or torch.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
+from dataclasses import dataclass
 from typing import Any
 
 from pagoda.contracts.messages import EngineCoreRequest
+from pagoda.engine.errors import ChatTemplateArgumentError, InvalidRequestError
 from pagoda.exec.structured_output import check_structured_outputs
 from pagoda.sampling_params import SamplingParams
 
+__all__ = [
+    "InputProcessor", "ModelLimits", "ProcessedPrompt", "Prompt", "chat_prompt_ids", "check_params",
+    "check_structured_outputs", "eos_token_id_of", "make_core_requests", "tokenize_prompt", "truncate_prompt",
+    "validate_prompt",
+]
+
 Prompt = str | list[int] | dict[str, Any]
+_CONTEXT_CODE = "context_length_exceeded"  # OpenAI's code for a request longer than the context
 
 
 def eos_token_id_of(tokenizer: Any, config: Any) -> int | None:
@@ -40,19 +54,26 @@ def tokenize_prompt(tokenizer: Any, prompt: Prompt, add_special_tokens: bool = T
             if not isinstance(ids, (list, tuple)) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
             ):
-                raise ValueError("prompt_token_ids must be a list of integers")
+                raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
             return prompt.get("prompt"), [int(t) for t in ids]
         if "prompt" in prompt:
             prompt = prompt["prompt"]
         else:
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt token ids")
-        return prompt, list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            raise InvalidRequestError("this model has no tokenizer: pass prompt token ids", "prompt")
+        try:
+            return prompt, list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        except InvalidRequestError:
+            raise
+        except ValueError as exc:  # the tokenizer's own refusal: still about the prompt
+            raise InvalidRequestError(str(exc), "prompt") from None
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return None, list(prompt)
-    raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+    raise InvalidRequestError(
+        f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}", "prompt"
+    )
 
 
 def chat_prompt_ids(
@@ -65,7 +86,7 @@ def chat_prompt_ids(
     template_kwargs: dict | None = None,
 ) -> list[int]:
     """Token ids of a conversation rendered by the tokenizer's chat template (or `chat_template`);
-    ValueError, with the template's own message, when it cannot be rendered."""
+    InvalidRequestError on "messages", with the template's own message, when it cannot be rendered."""
     try:
         ids = tokenizer.apply_chat_template(
             messages,
@@ -76,13 +97,35 @@ def chat_prompt_ids(
             return_dict=False,
             **(template_kwargs or {}),
         )
-    except ValueError:
+    except InvalidRequestError:
         raise
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), "messages") from None
     except Exception as exc:  # jinja errors (roles that do not alternate, a message without content), TypeError
-        raise ValueError(f"cannot apply the chat template: {type(exc).__name__}: {exc}") from None
+        raise InvalidRequestError(f"cannot apply the chat template: {type(exc).__name__}: {exc}", "messages") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+@functools.lru_cache(maxsize=None)
+def _chat_template_arguments(tokenizer_cls: type) -> frozenset[str]:
+    """The named parameters of the tokenizer's apply_chat_template that are not conversation content
+    (padding, truncation, tokenize, ...): its other keyword arguments become template variables."""
+    params = inspect.signature(tokenizer_cls.apply_chat_template).parameters.values()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(named - {"self", "tools", "documents"})
+
+
+def check_params(params: SamplingParams) -> None:
+    """Refuse what would otherwise fail inside a step, taking the whole batch down with it."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    seed = params.seed
+    if seed is not None:
+        # torch generators take seeds in [-2**63, 2**64); child i of an n > 1 request uses seed + i.
+        if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed <= 2**64 - params.n:
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64 - n], got {seed!r}", "seed")
 
 
 def truncate_prompt(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
@@ -93,7 +136,9 @@ def truncate_prompt(prompt_ids: list[int], params: SamplingParams, max_model_len
     if k == -1:
         k = max_model_len
     elif k > max_model_len:
-        raise ValueError(f"truncate_prompt_tokens ({k}) is larger than max_model_len ({max_model_len})")
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens ({k}) is larger than max_model_len ({max_model_len})", "truncate_prompt_tokens"
+        )
     return prompt_ids[-k:] if len(prompt_ids) > k else prompt_ids
 
 
@@ -109,7 +154,7 @@ def validate_prompt(
     max_logprobs: int = -1,
     has_tokenizer: bool = True,
 ) -> None:
-    """Raise ValueError (with a message fit for a user) when the request cannot run.
+    """Raise InvalidRequestError (with a message fit for a user) when the request cannot run.
 
     `strict_max_tokens`: a max_tokens that does not fit the context is an error (the server's rule,
     as OpenAI's) rather than silently capped at the context (the offline engine's rule).
@@ -120,41 +165,151 @@ def validate_prompt(
     for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         value = getattr(params, name)
         if value is not None and value > limit:
-            raise ValueError(f"Requested {what} logprobs of {value}, which is greater than max allowed: {limit}")
+            raise InvalidRequestError(
+                f"Requested {what} logprobs of {value}, which is greater than max allowed: {limit}", name
+            )
     n = len(prompt_ids)
     if n == 0:
-        raise ValueError("the prompt is empty")
+        raise InvalidRequestError("the prompt is empty", "prompt")
     if any(t < 0 or t >= vocab_size for t in prompt_ids):
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
-        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
     if params.structured_outputs is not None:
         if not has_tokenizer:
-            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            raise InvalidRequestError(
+                "structured outputs need the model's tokenizer, and this model has none", "structured_outputs"
+            )
         try:
             check_structured_outputs(params.structured_outputs)
         except ValueError as exc:
-            raise ValueError(f"structured outputs: {exc}") from None
+            raise InvalidRequestError(f"structured outputs: {exc}", "structured_outputs") from None
     if n >= max_model_len:
-        raise ValueError(
+        raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens, and the prompt has {n} "
-            f"tokens, which leaves no room to generate. Please shorten the prompt."
+            f"tokens, which leaves no room to generate. Please shorten the prompt.",
+            "prompt", _CONTEXT_CODE,
         )
     max_tokens = params.max_tokens
     if strict_max_tokens and max_tokens is not None and n + max_tokens > max_model_len:
-        raise ValueError(
+        raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). Please reduce "
-            f"the length of the prompt or of max_tokens."
+            f"the length of the prompt or of max_tokens.",
+            "max_tokens", _CONTEXT_CODE,
         )
     if block_size and num_usable_blocks is not None:
         longest = max_model_len if max_tokens is None else min(n + max_tokens, max_model_len)
         need = -(-longest // block_size)
         if need > num_usable_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"This request may need {longest} tokens of KV cache but the cache holds "
-                f"{num_usable_blocks * block_size}. Please reduce the length of the prompt or of max_tokens."
+                f"{num_usable_blocks * block_size}. Please reduce the length of the prompt or of max_tokens.",
+                "max_tokens",
             )
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the checks need to know of the model and its KV cache."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int | None = None  # with num_usable_blocks: refuse requests the cache can never hold
+    num_usable_blocks: int | None = None
+    max_logprobs: int = -1  # the cap on logprobs and prompt_logprobs; -1: the vocabulary
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt as the engine will run it: tokenized, truncated, and checked against `params`."""
+
+    text: str | None  # as given (None for token ids); longer than what runs when `truncated`
+    prompt_token_ids: list[int]
+    params: SamplingParams  # what it was checked against: other params must check it again
+    truncated: bool = False  # truncate_prompt_tokens cut its start
+
+
+class InputProcessor:
+    """Tokenize, truncate and validate a request once, for either front door.
+
+    `strict_max_tokens` is the server's rule (a max_tokens past the context is an error, as OpenAI's);
+    offline it is capped at the context. `chat_template` overrides the tokenizer's.
+    """
+
+    def __init__(self, tokenizer: Any, limits: ModelLimits, *, strict_max_tokens: bool = False,
+                 chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.strict_max_tokens = strict_max_tokens
+        self.chat_template = chat_template
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return tokenize_prompt(self.tokenizer, text, add_special_tokens)[1]
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation; InvalidRequestError on "messages" when the template cannot
+        render it, ChatTemplateArgumentError when chat_template_kwargs is not template variables."""
+        tok = self.tokenizer
+        template = chat_template or self.chat_template
+        if tok is None or not (template or getattr(tok, "chat_template", None)):
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true",
+                                      "messages")
+        reserved = sorted(set(chat_template_kwargs or ()) & _chat_template_arguments(type(tok)))
+        if reserved:
+            # They would reach the tokenizer, not the template: {"truncation": true, "max_length": 2}
+            # would silently cut the prompt, {"tokenize": false} would return text.
+            raise ChatTemplateArgumentError(
+                f"chat_template_kwargs cannot set {', '.join(reserved)}: it holds template variables only"
+            )
+        return chat_prompt_ids(
+            tok,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=template,
+            template_kwargs=chat_template_kwargs,
+        )
+
+    def process(self, prompt: Prompt, params: SamplingParams, add_special_tokens: bool = True) -> ProcessedPrompt:
+        """The prompt tokenized, cut to its last truncate_prompt_tokens tokens and checked; raises
+        InvalidRequestError (nothing of the request may then reach the core)."""
+        check_params(params)
+        text, ids = tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
+        lim = self.limits
+        kept = truncate_prompt(ids, params, lim.max_model_len)
+        validate_prompt(
+            kept,
+            params,
+            vocab_size=lim.vocab_size,
+            max_model_len=lim.max_model_len,
+            block_size=lim.block_size,
+            num_usable_blocks=lim.num_usable_blocks,
+            strict_max_tokens=self.strict_max_tokens,
+            max_logprobs=lim.max_logprobs,
+            has_tokenizer=self.tokenizer is not None,
+        )
+        return ProcessedPrompt(text, kept, params, truncated=len(kept) != len(ids))
+
+    def ensure_processed(self, prompt: Prompt | ProcessedPrompt, params: SamplingParams) -> ProcessedPrompt:
+        """`prompt` as processed for `params`: a ProcessedPrompt already checked against these very
+        params is taken as is (the server processes before admission; no second pass)."""
+        if isinstance(prompt, ProcessedPrompt):
+            if prompt.params is params:
+                return prompt
+            text = None if prompt.truncated else prompt.text  # the text of a cut prompt is not what runs
+            return self.process({"prompt": text, "prompt_token_ids": prompt.prompt_token_ids}, params)
+        return self.process(prompt, params)
 
 
 def make_core_requests(

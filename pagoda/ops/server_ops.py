@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pagoda.ops.metrics import CONTENT_TYPE, ServerMetrics
 from pagoda.ops.request_events import RequestLogger, RequestTracker
 from pagoda.ops.status import StatusLine, log_status_forever
-from pagoda.serve.app import ServerState, get_state
+from pagoda.serve.state import ServerState, get_state
 from pagoda.serve.errors import APIError, unavailable
 
 logger = logging.getLogger(__name__)

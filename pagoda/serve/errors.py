@@ -88,8 +88,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # Our model validators raise ValueError, which pydantic prefixes.
     msg = msg.removeprefix("Value error, ")
     param = loc[0] if loc else None
-    # A model validator's error has no location; ours may still name the field (FieldError.param).
-    param = param or getattr((err.get("ctx") or {}).get("error"), "param", None)
+    # A model validator's error has no location; ours may still name the field (InvalidRequestError.field).
+    param = param or getattr((err.get("ctx") or {}).get("error"), "field", None)
     where = ".".join(loc)
     if err.get("type") == "missing":
         return f"missing required field: {where}", param

@@ -1,262 +1,36 @@
-"""POST /v1/completions and /v1/chat/completions: validation, admission (queue bound, token
-budgets), the engine requests, and the responses, streamed as server-sent events or whole.
+"""POST /v1/completions and /v1/chat/completions: each endpoint's path from its body to its response,
+streamed as server-sent events or whole.
 
 A request's path: body validated by pydantic (400 on failure) -> model checked (404) -> server
 accepting (503) -> sampling params built and prompts tokenized and checked against the context and
-the KV cache (400) -> admission: waiting-queue bound and the tenant's token bucket (429) -> one
-engine request per prompt -> stream or collect. Nothing reaches the engine before every check has
-passed, so a bad request never disturbs another.
-
-Cancellation: a streaming response is cancelled by Starlette when the client disconnects; a whole
-response is raced against the client's disconnect here. Either way the engine streams are closed,
-which aborts their requests in the core at once.
+the KV cache, once, by the engine's input processor (400) -> admission: waiting-queue bound and the
+tenant's token bucket (429) -> one engine request per prompt -> stream or collect. Nothing reaches the
+engine before every check has passed, so a bad request never disturbs another. The shared steps are
+in `pagoda.serve.admission`, the response machinery in `pagoda.serve.streaming`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-import uuid
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from pagoda.engine.async_llm import (
-    ChatTemplateArgumentError,
-    EngineDeadError,
-    EngineNotReadyError,
-    RequestAbortedError,
-    RequestRejectedError,
-    RequestStream,
-    RequestTimeoutError,
-    merge_delta,
-)
-from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import SamplingParams
-from pagoda.engine.input_processor import truncate_prompt
-from pagoda.serve.app import ServerState, get_state, get_tenant
-from pagoda.serve.errors import APIError, bad_request, rate_limited, unavailable
-from pagoda.serve.openai_format import (
-    SSE_DONE,
-    CompletionLogprobs,
-    chat_logprobs,
-    prompt_logprobs_json,
-    sse,
-    usage,
-)
-from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest, FieldError
-from pagoda.serve.request_context import request_id_var
-from pagoda.serve.tenants import Tenant
+from pagoda.engine.request_stream import RequestStream
+from pagoda.errors import InvalidRequestError
+from pagoda.outputs import CompletionOutput
+from pagoda.serve.admission import (CHAT_FIELDS, COMPLETION_FIELDS, Prepared, admit, engine_error, invalid_request,
+                                    process_prompts, sampling_params, start)
+from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, prompt_logprobs_json, sse, usage
+from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.serve.state import ServerState, get_state, get_tenant
+from pagoda.serve.streaming import SSE_HEADERS, SSEResponse, collect, merge_streams, new_id, run_cancellable, usage_event
 from pagoda.serve.tool_calls import parse_tool_calls
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
-
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body iterator, however the stream ends
-    (client gone, server stopping), so the engine requests behind it are aborted at once."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-def engine_error(exc: BaseException) -> APIError:
-    """The HTTP error for an exception out of the engine."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, RequestTimeoutError):
-        logger.warning("timed out: %s", exc)
-        return APIError(504, str(exc), code="request_timeout")
-    if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
-        return unavailable(f"the engine is not running: {exc}")
-    if isinstance(exc, (RequestRejectedError, ValueError)):
-        return bad_request(str(exc))
-    if isinstance(exc, RequestAbortedError):
-        return APIError(503, str(exc), code="aborted")
-    logger.error("internal error: %s: %s", type(exc).__name__, exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-# -- admission --------------------------------------------------------------------------------------
-class _Prepared:
-    """A validated request, ready to be sent to the engine."""
-
-    def __init__(self, model: str, params: SamplingParams, prompts: list[tuple[str | None, list[int]]],
-                 priority: int, tenant: Tenant) -> None:
-        self.model = model
-        self.params = params
-        self.prompts = prompts
-        self.priority = priority
-        self.tenant = tenant
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(ids) for _, ids in self.prompts)
-
-
-def _sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-    try:
-        return body.to_sampling_params()
-    except ValueError as exc:
-        msg = str(exc)
-        param = exc.param if isinstance(exc, FieldError) else msg.split(" ", 1)[0] if msg else None
-        raise bad_request(msg, param=param) from None
-
-
-def _truncate(state: ServerState, prompts: list[tuple[str | None, list[int]]],
-              params: SamplingParams) -> list[tuple[str | None, list[int]]]:
-    """truncate_prompt_tokens applied here, so that usage and echo see the prompt the engine runs (a
-    cut prompt echoes the text of its remaining tokens)."""
-    if params.truncate_prompt_tokens is None:
-        return prompts
-    out = []
-    for text, ids in prompts:
-        try:
-            kept = truncate_prompt(ids, params, state.engine.info.max_model_len)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="truncate_prompt_tokens") from None
-        out.append((text if len(kept) == len(ids) else None, kept))
-    return out
-
-
-def _validate_prompts(state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                      param: str, logprobs_param: str = "logprobs") -> None:
-    # The field each kind of refusal is about, found in its message; else the prompt's field.
-    fields = {"max_tokens": "max_tokens", "logit_bias": "logit_bias", "structured outputs": "structured_outputs",
-              "Requested sample logprobs": logprobs_param, "Requested prompt logprobs": "prompt_logprobs"}
-    for _, ids in prompts:
-        try:
-            state.engine.validate(ids, params)
-        except ValueError as exc:
-            msg = str(exc)
-            field = next((f for key, f in fields.items() if key in msg), param)
-            raise bad_request(msg, param=field,
-                              code="context_length_exceeded" if "context" in msg else None) from None
-
-
-def _admit(state: ServerState, prep: _Prepared) -> None:
-    bound = state.config.max_waiting_requests
-    if bound is not None and state.engine.estimated_num_waiting() >= bound:
-        raise rate_limited(f"the server's waiting queue is full ({bound} requests); retry later", 1.0,
-                           code="queue_full")
-    wait = prep.tenant.take_prompt_tokens(prep.num_prompt_tokens)
-    if wait > 0:
-        raise rate_limited(
-            f"Rate limit reached for {prep.tenant.name}: {prep.tenant.tokens_per_minute:g} tokens per minute",
-            wait,
-        )
-
-
-async def _start(state: ServerState, prep: _Prepared, request_id: str) -> list[RequestStream]:
-    # From here on, log lines written while serving this request carry its id.
-    request_id_var.set(request_id)
-    logger.debug(
-        "received: %d prompt(s), %d prompt tokens, max_tokens=%s, tenant=%s, priority=%d",
-        len(prep.prompts), prep.num_prompt_tokens, prep.params.max_tokens, prep.tenant.name, prep.priority,
-    )
-    streams: list[RequestStream] = []
-    try:
-        for i, (text, ids) in enumerate(prep.prompts):
-            rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
-            streams.append(
-                await state.engine.add_request({"prompt": text, "prompt_token_ids": ids}, prep.params, rid,
-                                               prep.priority)
-            )
-    except BaseException as exc:
-        for s in streams:
-            s.close()
-        # Nothing of it ran (children already sent are aborted at once): its tokens were not used.
-        prep.tenant.refund_prompt_tokens(prep.num_prompt_tokens)
-        if isinstance(exc, Exception):
-            raise engine_error(exc) from None
-        raise
-    return streams
-
-
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, delta output) from several request streams, as they come."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out, None))
-            queue.put_nowait((i, None, None))
-        except Exception as exc:
-            queue.put_nowait((i, None, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, out, err = await queue.get()
-            if err is not None:
-                raise err
-            if out is None:
-                remaining -= 1
-                continue
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            s.close()
-
-
-async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in merge_streams(streams):
-        finals[i] = out if finals[i] is None else merge_delta(finals[i], out)
-    return finals  # type: ignore[return-value]
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def run_cancellable(request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work`, cancelling it if the client disconnects first (a whole response otherwise
-    keeps generating for nobody). Returns its result, or an empty 499 response."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except BaseException:
-        pass
-    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 # -- /v1/completions -------------------------------------------------------------------------------
@@ -265,35 +39,26 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     model = state.check_model(body.model)
     state.check_accepting()
-    engine = state.engine
     tenant = get_tenant(request)
-    params = _sampling_params(body)
-    prompts: list[tuple[str | None, list[int]]] = []
-    for p in body.prompts():
-        if isinstance(p, str):
-            try:
-                prompts.append((p, await engine.tokenize_async(p, add_special_tokens=body.add_special_tokens)))
-            except ValueError as exc:
-                raise bad_request(str(exc), param="prompt") from None
-        else:
-            prompts.append((None, list(p)))
-    prompts = _truncate(state, prompts, params)
-    _validate_prompts(state, prompts, params, "prompt")
-    prep = _Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
-    _admit(state, prep)
-    request_id = _new_id("cmpl")
-    streams = await _start(state, prep, request_id)
+    params = sampling_params(body, COMPLETION_FIELDS)
+    prompts = await process_prompts(state, body.prompts(), params, COMPLETION_FIELDS, body.add_special_tokens)
+    prep = Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
+    admit(state, prep)
+    request_id = new_id("cmpl")
+    streams = await start(state, prep, request_id)
     headers = {"x-request-id": request_id}
     if body.stream:
-        return SSEResponse(_completion_events(state, body, prep, request_id, streams), headers={**_SSE_HEADERS, **headers})
+        return SSEResponse(_completion_events(state, body, prep, request_id, streams), headers={**SSE_HEADERS, **headers})
     result = await run_cancellable(request, _completion_whole(state, body, prep, request_id, streams))
     if isinstance(result, Response):
         return result
     return JSONResponse(result, headers=headers)
 
 
-def _echo_texts(state: ServerState, prep: _Prepared) -> list[str]:
-    return [text if text is not None else state.engine.detokenize(ids) for text, ids in prep.prompts]
+def _echo_texts(state: ServerState, prep: Prepared) -> list[str]:
+    """What each prompt echoes: the text that runs (a cut prompt, the text of its remaining tokens)."""
+    return [p.text if p.text is not None and not p.truncated else state.engine.detokenize(p.prompt_token_ids)
+            for p in prep.prompts]
 
 
 def _generated(body: CompletionRequest, seq: CompletionOutput) -> tuple[list[int], list | None, str, str | None, Any]:
@@ -305,19 +70,19 @@ def _generated(body: CompletionRequest, seq: CompletionOutput) -> tuple[list[int
     return seq.token_ids, seq.logprobs, seq.text, seq.finish_reason, seq.stop_reason
 
 
-def _echo_logprobs_prompt(state: ServerState, prep: _Prepared, i: int, entries: list | None) -> tuple | None:
+def _echo_logprobs_prompt(state: ServerState, prep: Prepared, i: int, entries: list | None) -> tuple | None:
     """The prompt part of an echoing choice's logprobs (see CompletionLogprobs.make)."""
     if entries is None:
         return None
-    ids = prep.prompts[i][1]
+    ids = prep.prompts[i].prompt_token_ids
     return ids, entries, state.engine.detokenize(ids[:1])
 
 
-async def _completion_whole(state: ServerState, body: CompletionRequest, prep: _Prepared, request_id: str,
+async def _completion_whole(state: ServerState, body: CompletionRequest, prep: Prepared, request_id: str,
                             streams: list[RequestStream]) -> dict:
     completion_tokens = 0
     try:
-        finals = await _collect(streams)
+        finals = await collect(streams)
     except Exception as exc:
         raise engine_error(exc) from None
     finally:
@@ -361,21 +126,7 @@ async def _completion_whole(state: ServerState, body: CompletionRequest, prep: _
     }
 
 
-def _usage_event(request_id: str, obj: str, created: int, prep: _Prepared, completion_tokens: int, cached: int) -> str:
-    """The last event of a stream asked with stream_options.include_usage: no choices, the totals."""
-    return sse(
-        {
-            "id": request_id,
-            "object": obj,
-            "created": created,
-            "model": prep.model,
-            "choices": [],
-            "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
-        }
-    )
-
-
-async def _completion_events(state: ServerState, body: CompletionRequest, prep: _Prepared, request_id: str,
+async def _completion_events(state: ServerState, body: CompletionRequest, prep: Prepared, request_id: str,
                              streams: list[RequestStream]) -> AsyncIterator[str]:
     n = prep.params.n
     created = int(time.time())
@@ -433,7 +184,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
                     )
                 yield sse(chunk)
         if include_usage:
-            yield _usage_event(request_id, "text_completion", created, prep, completion_tokens, sum(cached.values()))
+            yield usage_event(request_id, "text_completion", created, prep, completion_tokens, sum(cached.values()))
         yield SSE_DONE
     except Exception as exc:
         yield sse(engine_error(exc).body())
@@ -450,30 +201,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = get_state(request)
     model = state.check_model(body.model)
     state.check_accepting()
-    engine = state.engine
     tenant = get_tenant(request)
-    params = _sampling_params(body)
+    params = sampling_params(body, CHAT_FIELDS)
     try:
-        messages = [m.to_template_dict() for m in body.messages]
-        ids = await engine.apply_chat_template_async(
-            messages,
+        ids = await state.engine.apply_chat_template_async(
+            [m.to_template_dict() for m in body.messages],
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.template_kwargs(),
         )
-    except ChatTemplateArgumentError as exc:
-        raise bad_request(str(exc), param="chat_template_kwargs") from None
-    except ValueError as exc:
-        raise bad_request(str(exc), param="messages") from None
-    prompts = _truncate(state, [(None, ids)], params)
-    _validate_prompts(state, prompts, params, "messages", logprobs_param="top_logprobs")
-    prep = _Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
-    _admit(state, prep)
-    request_id = _new_id("chatcmpl")
-    streams = await _start(state, prep, request_id)
+    except InvalidRequestError as exc:  # on messages or chat_template_kwargs
+        raise invalid_request(exc, CHAT_FIELDS) from None
+    prompts = await process_prompts(state, [{"prompt_token_ids": ids}], params, CHAT_FIELDS)
+    prep = Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
+    admit(state, prep)
+    request_id = new_id("chatcmpl")
+    streams = await start(state, prep, request_id)
     headers = {"x-request-id": request_id}
     if body.stream:
-        return SSEResponse(_chat_events(body, prep, request_id, streams), headers={**_SSE_HEADERS, **headers})
+        return SSEResponse(_chat_events(body, prep, request_id, streams), headers={**SSE_HEADERS, **headers})
     result = await run_cancellable(request, _chat_whole(body, prep, request_id, streams))
     if isinstance(result, Response):
         return result
@@ -492,10 +238,10 @@ def _assistant_message(body: ChatCompletionRequest, text: str, reason: str | Non
             "tool_calls" if mode == "required" and reason == "stop" else reason)
 
 
-async def _chat_whole(body: ChatCompletionRequest, prep: _Prepared, request_id: str,
+async def _chat_whole(body: ChatCompletionRequest, prep: Prepared, request_id: str,
                       streams: list[RequestStream]) -> dict:
     try:
-        (final,) = await _collect(streams)
+        (final,) = await collect(streams)
     except Exception as exc:
         raise engine_error(exc) from None
     finally:
@@ -527,7 +273,7 @@ async def _chat_whole(body: ChatCompletionRequest, prep: _Prepared, request_id: 
     return response
 
 
-async def _chat_events(body: ChatCompletionRequest, prep: _Prepared, request_id: str,
+async def _chat_events(body: ChatCompletionRequest, prep: Prepared, request_id: str,
                        streams: list[RequestStream]) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = body.include_usage
@@ -588,7 +334,7 @@ async def _chat_events(body: ChatCompletionRequest, prep: _Prepared, request_id:
                 delta = {"content": seq.text} if seq.text or reason is None else {}
                 yield chunk(seq.index, delta, logprobs, reason, seq.stop_reason if reason is not None else None)
         if include_usage:
-            yield _usage_event(request_id, "chat.completion.chunk", created, prep, completion_tokens, cached)
+            yield usage_event(request_id, "chat.completion.chunk", created, prep, completion_tokens, cached)
         yield SSE_DONE
     except Exception as exc:
         yield sse(engine_error(exc).body())

@@ -13,9 +13,10 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, field_validator, model_validator
 
-from pagoda.exec.structured_output import check_structured_outputs
+from pagoda.engine.input_processor import check_structured_outputs
+from pagoda.errors import InvalidRequestError
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
-from pagoda.serve.tool_calls import ToolChoiceError, tool_call_schema
+from pagoda.serve.tool_calls import tool_call_schema
 
 _SEED_MAX = 2**63 - 1
 # Integers travel to the engine core as msgpack, which holds 64 bits: larger ones must be a 400 here,
@@ -25,14 +26,6 @@ _Int64 = Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)]
 # JSON may spell a lone UTF-16 surrogate ("\ud800"); such a string cannot be encoded as UTF-8, so the
 # tokenizer, the msgpack encoder and even our own error response would fail on it.
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class FieldError(ValueError):
-    """A ValueError from a model validator that knows which request field it is about (`param`)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _find_lone_surrogate(value: Any) -> tuple | None:
@@ -72,8 +65,8 @@ class _Request(_Body):
         found = _find_lone_surrogate(data)
         if found is not None:
             where = ".".join(str(x) for x in found) or "the request body"
-            raise FieldError(f"{where}: the text is not valid Unicode (a lone surrogate)",
-                             param=str(found[0]) if found else None)
+            raise InvalidRequestError(f"{where}: the text is not valid Unicode (a lone surrogate)",
+                                      field=str(found[0]) if found else None)
         if isinstance(data, dict) and any(data.get(k, 0) is None for k in cls._null_means_default):
             data = {k: v for k, v in data.items() if v is not None or k not in cls._null_means_default}
         return data
@@ -84,16 +77,17 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 
 
 def _checked_structured_outputs(name: str, spec: dict[str, Any]) -> StructuredOutputsParams:
-    """StructuredOutputsParams(**spec) whose grammar compiles, else a FieldError naming the request
+    """StructuredOutputsParams(**spec) whose grammar compiles, else an InvalidRequestError naming the request
     field `name` it came from (checked here so that the 400 names it)."""
     try:
         params = StructuredOutputsParams(**spec)
         check_structured_outputs(params)
     except TypeError:  # a key StructuredOutputsParams does not have
-        raise FieldError(f"{name}: give one of json, regex, choice, grammar or json_object, got {sorted(spec)}",
-                         param=name) from None
+        raise InvalidRequestError(
+            f"{name}: give one of json, regex, choice, grammar or json_object, got {sorted(spec)}", field=name
+        ) from None
     except ValueError as exc:
-        raise FieldError(f"{name}: {exc}", param=name) from None
+        raise InvalidRequestError(f"{name}: {exc}", field=name) from None
     return params
 
 
@@ -147,10 +141,10 @@ class _SamplingFields(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         for key in self.logit_bias or {}:
             if not key.isascii() or not key.isdigit() or len(key) > 18:
-                raise FieldError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", field="logit_bias")
         if self.prompt_logprobs is not None and self.stream:
             # As vLLM: a stream's chunks have no place for them.
-            raise FieldError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+            raise InvalidRequestError("prompt_logprobs are not available when stream is true", field="prompt_logprobs")
         return self
 
     @property
@@ -172,12 +166,16 @@ class _SamplingFields(_Request):
                 spec = rf.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
-                    raise FieldError("response_format json_schema needs json_schema.schema, a JSON schema object",
-                                     param="response_format")
+                    raise InvalidRequestError(
+                        "response_format json_schema needs json_schema.schema, a JSON schema object",
+                        field="response_format",
+                    )
                 found.append(("response_format", {"json": schema}))
             elif kind not in (None, "text"):
-                raise FieldError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                                 param="response_format")
+                raise InvalidRequestError(
+                    f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                    field="response_format",
+                )
         if self.structured_outputs is not None:
             found.append(("structured_outputs", self.structured_outputs))
         for name, key in _GUIDED_FIELDS.items():
@@ -186,8 +184,8 @@ class _SamplingFields(_Request):
         if not found:
             return None
         if len(found) > 1:
-            raise FieldError(f"give one structured-outputs field, not {' and '.join(n for n, _ in found)}",
-                             param=found[1][0])
+            raise InvalidRequestError(f"give one structured-outputs field, not {' and '.join(n for n, _ in found)}",
+                                      field=found[1][0])
         return _checked_structured_outputs(*found[0])
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -252,11 +250,12 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.max_tokens == 0 and not self.echo:
-            raise FieldError("max_tokens must be at least 1 (0 is only allowed with echo)", param="max_tokens")
+            raise InvalidRequestError("max_tokens must be at least 1 (0 is only allowed with echo)", field="max_tokens")
         if self.max_tokens == 0 and self.min_tokens > 0:
             # Checked here: the engine request asks for one token (see to_sampling_params), so
             # SamplingParams' own check would name max_tokens 1, which the client never sent.
-            raise FieldError(f"min_tokens must be <= max_tokens (0), got {self.min_tokens}", param="min_tokens")
+            raise InvalidRequestError(f"min_tokens must be <= max_tokens (0), got {self.min_tokens}",
+                                      field="min_tokens")
         return self
 
     @property
@@ -303,7 +302,8 @@ class ChatMessage(_Body):
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise ValueError(f"message content of type {part.type!r} is not supported (text only)")
+                    raise InvalidRequestError(f"message content of type {part.type!r} is not supported (text only)",
+                                              "messages")
                 texts.append(part.text)
             content = "\n".join(texts)
         msg = dict(self.model_extra or {})
@@ -332,13 +332,12 @@ class ChatCompletionRequest(_SamplingFields):
     def _check(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        try:
-            self._tool_call = tool_call_schema(self.tools, self.tool_choice)
-        except ToolChoiceError as exc:
-            raise FieldError(str(exc), param=exc.param) from None
+        self._tool_call = tool_call_schema(self.tools, self.tool_choice)  # a ToolChoiceError names its field
         if self._tool_call is not None and self.structured_outputs_requested:
-            raise FieldError("tool_choice and structured outputs (response_format, structured_outputs, guided_*) "
-                             "cannot be combined", param="tool_choice")
+            raise InvalidRequestError(
+                "tool_choice and structured outputs (response_format, structured_outputs, guided_*) cannot be combined",
+                field="tool_choice",
+            )
         return self
 
     @property

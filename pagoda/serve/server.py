@@ -21,7 +21,8 @@ import uvicorn
 
 from pagoda.config import EngineArgs
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.serve.app import ServerConfig, ServerState, build_app
+from pagoda.serve.app import build_app
+from pagoda.serve.state import ServerConfig, ServerState
 from pagoda.serve.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)

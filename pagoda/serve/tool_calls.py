@@ -13,13 +13,11 @@ import json
 import uuid
 from typing import Any
 
+from pagoda.errors import InvalidRequestError
 
-class ToolChoiceError(ValueError):
-    """The request's tools or tool_choice cannot be served (a 400 on the field `param`)."""
 
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+class ToolChoiceError(InvalidRequestError):
+    """The request's tools or tool_choice cannot be served (a 400 on the request field `field`)."""
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -7,7 +7,6 @@ KV cache size the engine core cannot start with."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
 import time
@@ -234,22 +233,18 @@ def test_nan_and_infinity_are_400(api, raw, param):
     assert "finite" in err["message"]
 
 
-def _stub_engine(tmp_path, send=None):
-    """An AsyncLLM that never starts its core: `send` stands in for the client, as if the core were
-    ready (no tokenizer)."""
+def _stub_engine(tmp_path, send=None, tokenizer=None):
+    """An AsyncLLM that never starts its core: `send` stands in for the client's, as if the core were
+    ready (no tokenizer unless given)."""
     from pagoda.config import EngineArgs
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.contracts.messages import EngineCoreReady
-    from pagoda.engine.output_processor import OutputProcessor
 
     (tmp_path / "config.json").write_text("{}")  # enough for the engine to accept the folder
-    engine = AsyncLLM(EngineArgs.from_kwargs(model=str(tmp_path)), tokenizer=None)
-    shutil.rmtree(engine.client._tmpdir, ignore_errors=True)  # the real client is never started
-    engine.client = SimpleNamespace(send=send)
-    engine.info = EngineCoreReady(max_model_len=64, vocab_size=100, num_blocks=10, num_usable_blocks=9,
-                                  block_size=16, model_name="m")
-    engine.processor = OutputProcessor(None)
-    engine.ready = True
+    engine = AsyncLLM(EngineArgs.from_kwargs(model=str(tmp_path)), tokenizer=tokenizer)
+    engine.client.send = send  # the client is never started: nothing else of it runs
+    engine._on_ready(EngineCoreReady(max_model_len=64, vocab_size=100, num_blocks=10, num_usable_blocks=9,
+                                     block_size=16, model_name="m"), tokenizer)
     return engine
 
 
@@ -336,7 +331,6 @@ def test_tokenization_runs_off_the_event_loop(tmp_path):
     it can only do if the encode runs elsewhere (inline, the encode would time out and return [])."""
     import threading
 
-    engine = _stub_engine(tmp_path)
     started, release = threading.Event(), threading.Event()
     threads = []
 
@@ -345,7 +339,7 @@ def test_tokenization_runs_off_the_event_loop(tmp_path):
         started.set()
         return [len(text), int(add_special_tokens)] if release.wait(10) else []
 
-    engine.tokenizer = SimpleNamespace(encode=encode)
+    engine = _stub_engine(tmp_path, tokenizer=SimpleNamespace(encode=encode))
 
     async def main() -> list[int]:
         task = asyncio.create_task(engine.tokenize_async("abc", add_special_tokens=False))
@@ -358,7 +352,7 @@ def test_tokenization_runs_off_the_event_loop(tmp_path):
 
 
 def test_merge_delta_concatenates():
-    from pagoda.engine.async_llm import merge_delta
+    from pagoda.engine.request_stream import merge_delta
 
     def out(text, ids, reason=None, finished=False):
         lp = [{i: Logprob(-1.0, 1, str(i))} for i in ids]
@@ -472,29 +466,24 @@ def test_config_failure_sent_just_before_the_core_exited_is_not_lost(tiny_model)
     """The core sends why it failed, then exits; if the API process notices the exit (process
     sentinel) before it reads that message, the reason and its exit code 2 must survive the race."""
     from pagoda.config import EngineArgs
-    from pagoda.engine.async_llm import AsyncLLM
-    from pagoda.engine.core_proc import EngineConfigError
     from pagoda.contracts.messages import EngineCoreOutputs
+    from pagoda.engine.core_client import CoreClient
+    from pagoda.engine.errors import EngineConfigError
 
-    class LateClient:  # the failure message arrives only after the death was noticed
-        async def recv(self) -> EngineCoreOutputs:
-            await asyncio.sleep(0.05)
-            return EngineCoreOutputs(failed="ValueError: KV cache too small", config_error="KV cache too small")
+    async def late_recv() -> EngineCoreOutputs:  # the failure message arrives only after the death was noticed
+        await asyncio.sleep(0.05)
+        return EngineCoreOutputs(failed="ValueError: KV cache too small", config_error="KV cache too small")
 
-    engine = AsyncLLM(EngineArgs(model=str(tiny_model)))
-    real_client, engine.client = engine.client, LateClient()
+    client = CoreClient(EngineArgs(model=str(tiny_model)))  # never started: no process, no sockets
+    client.recv = late_recv
 
     async def main() -> None:
-        engine._loop = asyncio.get_running_loop()
-        engine._mark_dead("the engine core process exited (exit code 1)")
+        client._loop = asyncio.get_running_loop()
+        client.mark_dead("the engine core process exited (exit code 1)")
         with pytest.raises(EngineConfigError, match="^KV cache too small$"):
-            await engine._wait_ready()
+            await client.wait_ready()
 
-    try:
-        asyncio.run(main())
-    finally:
-        real_client.shutdown()  # never started: only removes its socket folder
-        engine._tokenizer_thread.shutdown(wait=False)
+    asyncio.run(main())
 
 
 def test_tool_call_output_parsing():
