@@ -10,10 +10,46 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
+
+# Headers shared by the kernels of several layers (pagoda/csrc/vec_math.h).
+SHARED_INCLUDE = Path(__file__).parent / "csrc"
+
+# No -ffast-math: it lets the compiler assume that no value is inf or NaN, which masked attention
+# (-inf scores) and NaN propagation rely on; under it the vectorised SiLU loop (glibc's vector expf)
+# gave NaN instead of -0 for gates below about -88.7. What stays leaves IEEE results alone: no errno
+# from math calls (so sqrt inlines) and no FP traps (never enabled here), which frees the vectoriser.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def _included_headers(source: Path) -> list[Path]:
+    """The quoted includes of `source` (and theirs) found beside it or in SHARED_INCLUDE."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        for name in _LOCAL_INCLUDE.findall(pending.pop().read_bytes()):
+            for folder in (source.parent, SHARED_INCLUDE):
+                path = (folder / name.decode()).resolve()
+                if path.is_file() and path not in found:
+                    found.append(path)
+                    pending.append(path)
+                    break
+    return found
+
+
+def build_key(source: Path) -> str:
+    """A short digest of the source and the headers it includes, their paths, and the flags."""
+    h = hashlib.sha1()
+    for path in (source, *_included_headers(source)):
+        h.update(str(path.resolve()).encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(" ".join(CFLAGS).encode())
+    return h.hexdigest()[:12]
 
 
 def build_cpu_extension(stem: str, source: Path, what: str) -> ModuleType | None:
@@ -26,13 +62,13 @@ def build_cpu_extension(stem: str, source: Path, what: str) -> ModuleType | None
         from torch.utils.cpp_extension import load
 
         # The build folder is named after the extension, and its ninja file records the source's
-        # path: one name per checkout and source version, or two checkouts rebuild each other's.
-        key = hashlib.sha1(str(source.resolve()).encode() + source.read_bytes()).hexdigest()[:12]
+        # path: one name per checkout and source version, or two of them rebuild each other's.
         return load(
-            name=f"{stem}_{key}",
+            name=f"{stem}_{build_key(source)}",
             sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(SHARED_INCLUDE)],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no headers: the torch path still works

@@ -57,6 +57,49 @@ def test_large_scores_keep_the_softmax_finite():
     torch.testing.assert_close(got, causal_sdpa(q, k, v, 1.0), atol=1e-4, rtol=1e-4)
 
 
+def _attention_over_visible_keys(q, k, v, scale):
+    """Each query against exactly the keys it sees (a slice, not a mask): a later key, whatever its
+    value, cannot reach it. [n, Hq, D] from q [n, Hq, D] and k, v [S, Hkv, D], in float32."""
+    n, hq, _ = q.shape
+    seq_len, hkv = k.shape[0], k.shape[1]
+    keys, values = (t.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1) for t in (k, v))  # [Hq, S, D]
+    out = torch.empty(q.shape)
+    for i in range(n):
+        visible = seq_len - n + i + 1
+        p = torch.softmax((keys[:, :visible] @ q[i].float().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)
+        out[i] = (p.unsqueeze(1) @ values[:, :visible]).squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize("n,seq_len", [(70, 70), (70, 200)])
+def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len):
+    """NaN and +inf scores make their rows NaN and a -inf score weighs 0, as torch's softmax has it;
+    a key past a query's position contributes nothing to it, even a NaN value (causal SDPA lets that
+    NaN into every row of the block: 0 * NaN)."""
+    g = torch.Generator().manual_seed(n + seq_len)
+    hq, hkv, d = 4, 2, 32
+    q, k, v = (t.clone() for t in _fused_qkv(n, seq_len, hq, hkv, d, g))
+    q[..., 0] = q[..., 0].abs() + 0.5  # an inf in a key's dim 0 gives a score of the inf's sign
+    ctx = seq_len - n
+
+    def pos(i: int) -> int:  # the key position of query i
+        return ctx + i
+
+    v[pos(40), 0, 5] = float("nan")  # KV head 0: rows from query 40 on are NaN, 32-39 (its block) not
+    k[pos(10), 0, 0] = float("-inf")  # KV head 0: that key weighs 0 for every later row
+    k[pos(60), 1, 0] = float("inf")  # KV head 1: an inf score, NaN rows from query 60 on
+    q[20, 3, 2] = float("nan")  # one query head of one row
+    want = _attention_over_visible_keys(q, k, v, d**-0.5)
+    got = kernel.prefill_attention(q, k, v, d**-0.5)
+    nan_rows = want.isnan().any(-1)  # [n, Hq]
+    assert nan_rows[:, :2].nonzero()[:, 0].unique().tolist() == list(range(40, n))
+    assert nan_rows[:, 2:].nonzero()[:, 0].unique().tolist() == [20, *range(60, n)]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, equal_nan=True)
+    # Every score -inf (each key's dim 0): no weight left, NaN, as torch's softmax gives.
+    k[:, 1, 0] = float("-inf")
+    assert kernel.prefill_attention(q, k, v, d**-0.5)[:, 2:].isnan().all()
+
+
 def test_bad_inputs_are_refused_with_a_message():
     q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
     with pytest.raises(RuntimeError, match="takes float32"):
