@@ -142,6 +142,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
           const float m = pagoda::max_f32(s, vis, mx[r]);
           const float correction = pagoda::exp_f32(mx[r] - m);
           const float add = pagoda::exp_minus_max_(s, vis, m);
+          for (int64_t j = vis; j < nk; ++j) s[j] = 0.f;  // masked: weight 0
           sum[r] = sum[r] * correction + add;
           mx[r] = m;
           if (correction != 1.f) {
@@ -149,16 +150,21 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
             for (int64_t d = 0; d < D; ++d) o[d] *= correction;
           }
         }
-        gemm<true>(Sc.data(), BK, Vp.data(), D, rows, D, all_see, O.data(), D);
-        // The diagonal's triangle, row by row over the keys it sees only: a masked key's weight is
-        // 0, but 0 * (an inf or NaN value) would still be NaN.
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* s = &Sc[r * BK];
-          float* o = &O[r * D];
-          for (int64_t j = all_see, vis = visible(r); j < vis; ++j) {
-            const float p = s[j];
-            const float* vj = &Vp[j * D];
-            for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
+        // A masked key's weight is 0, but through the GEMM 0 * (an inf or NaN value) would still be
+        // NaN: when some row does not see every key of the block and such a value is there, the GEMM
+        // takes the keys all rows see and each row adds its own triangle.
+        if (all_see == nk || pagoda::all_finite(&Vp[all_see * D], (nk - all_see) * D)) {
+          gemm<true>(Sc.data(), BK, Vp.data(), D, rows, D, nk, O.data(), D);
+        } else {
+          gemm<true>(Sc.data(), BK, Vp.data(), D, rows, D, all_see, O.data(), D);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* s = &Sc[r * BK];
+            float* o = &O[r * D];
+            for (int64_t j = all_see, vis = visible(r); j < vis; ++j) {
+              const float p = s[j];
+              const float* vj = &Vp[j * D];
+              for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
+            }
           }
         }
       }
