@@ -1,5 +1,6 @@
 """The C++ float32 prefill attention (csrc/prefill_attention.cpp) equals causal SDPA, and the CPU
-backend uses it for float32 prefills (fresh prompts and chunks over cached context)."""
+backend uses it for prefills of every dtype (fresh prompts and chunks over cached context): bf16
+widened to float32 and the output rounded once, as the decode kernel does."""
 
 from __future__ import annotations
 
@@ -110,24 +111,41 @@ def test_bad_inputs_are_refused_with_a_message():
         kernel.prefill_attention(torch.randn(5, 2, 16), k, k, 1.0)
 
 
-def test_backend_routes_float32_prefills_to_the_kernel_and_others_to_sdpa(monkeypatch):
+def test_backend_routes_cpu_prefills_of_each_dtype_to_the_kernel(monkeypatch):
     from pagoda.exec.attn_metadata import PagedAttentionMetadata
 
     cache = PagedKVCache(1, 8, 16, 1, 16, torch.float32, torch.device("cpu"))
     backend = TorchPagedAttention(cache)
     assert backend.prefill_kernel is not None
     calls = []
-    backend.prefill_kernel = lambda *a: calls.append("kernel") or kernel.prefill_attention(*a)
+    backend.prefill_kernel = lambda *a: calls.append(("kernel", a[0].dtype)) or kernel.prefill_attention(*a)
     monkeypatch.setattr("pagoda.exec.paged_attention.causal_sdpa", lambda *a: calls.append("sdpa") or causal_sdpa(*a))
     meta = PagedAttentionMetadata.__new__(PagedAttentionMetadata)
     meta.block_size, meta.block_tables = 16, torch.tensor([[0, 1]])
     g = torch.Generator().manual_seed(0)
-    for dtype, d in ((torch.float32, 16), (torch.bfloat16, 16)):
+    for dtype, d in ((torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 8)):
         cache = PagedKVCache(1, 8, 16, 1, d, dtype, torch.device("cpu"))
         k_cache, v_cache = cache.layer(0)
         q, k, v = (t.to(dtype) for t in _fused_qkv(10, 10, 2, 1, d, g))
-        backend._prefill(q, k, v, k_cache, v_cache, meta, 0, 10, 0.25)  # fresh prompt
+        out = backend._prefill(q, k, v, k_cache, v_cache, meta, 0, 10, 0.25)  # fresh prompt
+        assert out.dtype == dtype
         k_cache.view(-1, 1, d)[:20] = torch.randn(20, 1, d).to(dtype)
         v_cache.view(-1, 1, d)[:20] = torch.randn(20, 1, d).to(dtype)
         backend._prefill(q, k, v, k_cache, v_cache, meta, 0, 20, 0.25)  # a chunk over 10 cached tokens
-    assert calls == ["kernel", "kernel", "sdpa", "sdpa"]
+    # float32 and bf16 (widened) reach the kernel; head_dim 8 is not the kernel's.
+    assert calls == [("kernel", torch.float32)] * 4 + ["sdpa", "sdpa"]
+
+
+def test_bf16_prefill_depends_only_on_the_keys_each_position_sees():
+    """bf16 through the backend: a prompt's rows are the same bits whether more tokens follow or not
+    (bf16 SDPA, which blocks by length, moved them), and within a bf16 rounding of float32 math."""
+    g = torch.Generator().manual_seed(6)
+    backend = TorchPagedAttention(PagedKVCache(1, 8, 16, 3, 64, torch.bfloat16, torch.device("cpu")))
+    seq_len = 300
+    q, k, v = (t.to(torch.bfloat16) for t in _fused_qkv(seq_len, seq_len, 9, 3, 64, g))
+    whole = backend._prefill(q, k, v, None, None, None, 0, seq_len, 0.125)
+    for n in (5, 40, 290):
+        part = backend._prefill(q[:n], k[:n], v[:n], None, None, None, 0, n, 0.125)
+        assert torch.equal(part, whole[:n])
+    want = causal_sdpa(q.float(), k.float(), v.float(), 0.125)
+    torch.testing.assert_close(whole.float(), want, atol=1e-5, rtol=2**-8)
