@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagoda import cpp_build
 from pagoda.model import layers
-from pagoda.model.cpu_layer_ops import load_layer_ops
+from pagoda.model.cpu_layer_ops import _SOURCE, load_layer_ops
 from pagoda.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rms_norm_reference, silu_and_mul_reference
 
 ops = load_layer_ops()
@@ -225,6 +226,37 @@ def test_inf_and_nan_come_out_where_the_pytorch_path_puts_them(dtype):
 
     gate_up = torch.cat([x, x.flip(0)], dim=1)  # inf, -inf and NaN in both halves
     same(ops.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
+
+
+def test_an_avx2_build_gives_the_native_builds_bits(monkeypatch):
+    """Results do not hang on the vector width the compiler picked: built for AVX2 (-march=haswell),
+    the ops give the native build's bits (AVX-512 on an AVX-512 machine), float32 and bf16, row
+    lengths with and without a tail past the vector lanes. The first run compiles (~30 s)."""
+    if not {"avx2", "fma", "f16c"} <= set(cpp_build.cpu_flags().split()):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    haswell = tuple("-march=haswell" if f == "-march=native" else f for f in cpp_build.CFLAGS)
+    monkeypatch.setattr(cpp_build, "CFLAGS", haswell)
+    avx2 = cpp_build.build_cpu_extension("pagoda_layer_ops", _SOURCE, "the layer ops built for AVX2")
+    assert avx2 is not None
+    g = torch.Generator().manual_seed(8)
+    for dtype in (torch.float32, torch.bfloat16):
+        for h in (576, 581, 5):
+            x = (torch.randn(64, h + 3, generator=g) * 3).to(dtype)[:, :h]
+            w = (torch.rand(h, generator=g) + 0.5).to(dtype)
+            assert torch.equal(avx2.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5))
+            res = torch.randn(64, h, generator=g).to(dtype)
+            pairs = [(x.contiguous(), res.clone()) for _ in range(2)]
+            avx2.add_rms_norm_(*pairs[0], w, 1e-5)
+            ops.add_rms_norm_(*pairs[1], w, 1e-5)
+            assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
+        gate_up = (torch.randn(64, 2 * 1536, generator=g) * 4).to(dtype)
+        assert torch.equal(avx2.silu_and_mul(gate_up), ops.silu_and_mul(gate_up))
+        q = torch.randn(64, 9, 64, generator=g).to(dtype)
+        positions, table = torch.randint(0, 600, (64,), generator=g), torch.randn(600, 64, generator=g)
+        q_avx2, q_native = q.clone(), q.clone()
+        avx2.rotary_(q_avx2, positions, table)
+        ops.rotary_(q_native, positions, table)
+        assert torch.equal(q_avx2, q_native)
 
 
 def test_mixed_dtypes_are_refused():
