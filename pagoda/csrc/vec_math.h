@@ -1,8 +1,9 @@
 // Float math for Pagoda's CPU kernels that the compiler vectorises without -ffast-math.
 //
 // The kernels are built without -ffast-math: it lets the compiler assume that no value is inf or
-// NaN (masked attention scores are -inf, and NaN checks must see NaN) and swaps std::exp for glibc's
-// vector expf (up to 4 ulp, and NaN for inputs past -88 there). Without it, GCC keeps IEEE semantics
+// NaN (masked attention scores are -inf, and NaN checks must see NaN) and it vectorised std::exp as
+// glibc's vector expf, after which SiLU gave NaN for gates below about -88.7 (where exp(-gate)
+// overflows) and bf16 results a rounding step off torch's. Without it, GCC keeps IEEE semantics
 // but will not vectorise a call to expf nor reorder a float sum, so:
 // - exp_f32 is plain arithmetic and selects (no calls, no branches), which vectorises as it stands;
 // - reductions keep kLanes independent partial sums, added up in a fixed order at the end: the loop
