@@ -3,6 +3,11 @@
 Shared by the model layer (fused layer ops) and the execution layer (paged KV cache kernels). Built
 with torch's cpp_extension (g++ and torch's headers, both present wherever pagoda installs); when a
 build fails the caller falls back to its pure PyTorch path, so nothing depends on a compiler.
+
+A build is cached under a name keyed by everything its machine code depends on: the source and the
+headers it includes, its path, the compiler flags, torch's version, and the CPU's instruction set
+(`-march=native` compiles for this CPU, so a cache or image moved to a CPU without, say, AVX-512
+must build afresh rather than load code that dies there with SIGILL).
 """
 
 from __future__ import annotations
@@ -10,10 +15,66 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
+import re
+from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
+
+# Headers shared by the kernels of several layers (pagoda/csrc/vec_math.h).
+SHARED_INCLUDE = Path(__file__).parent / "csrc"
+
+# No -ffast-math: it lets the compiler assume that no value is inf or NaN, which masked attention
+# (-inf scores) and NaN propagation rely on; under it the vectorised SiLU loop (glibc's vector expf)
+# gave NaN instead of -0 for gates below about -88.7. What stays leaves IEEE results alone: no errno
+# from math calls (so sqrt inlines) and no FP traps (never enabled here), which frees the vectoriser.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> str:
+    """The CPU's feature flags (x86 `flags`, Arm `Features` of /proc/cpuinfo), sorted; read once per
+    process. Where there is no /proc/cpuinfo, the machine and processor names stand in."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return " ".join(sorted(set(value.split())))
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _included_headers(source: Path) -> list[Path]:
+    """The quoted includes of `source` (and theirs) found beside it or in SHARED_INCLUDE."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        for name in _LOCAL_INCLUDE.findall(pending.pop().read_bytes()):
+            for folder in (source.parent, SHARED_INCLUDE):
+                path = (folder / name.decode()).resolve()
+                if path.is_file() and path not in found:
+                    found.append(path)
+                    pending.append(path)
+                    break
+    return found
+
+
+def build_key(source: Path) -> str:
+    """A short digest of everything the compiled module depends on (see the module docstring)."""
+    import torch
+
+    h = hashlib.sha1()
+    for path in (source, *_included_headers(source)):
+        h.update(str(path.resolve()).encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(" ".join(CFLAGS).encode() + b"\0" + torch.__version__.encode() + b"\0")
+    h.update(cpu_flags().encode())
+    return h.hexdigest()[:12]
 
 
 def build_cpu_extension(stem: str, source: Path, what: str) -> ModuleType | None:
@@ -26,13 +87,13 @@ def build_cpu_extension(stem: str, source: Path, what: str) -> ModuleType | None
         from torch.utils.cpp_extension import load
 
         # The build folder is named after the extension, and its ninja file records the source's
-        # path: one name per checkout and source version, or two checkouts rebuild each other's.
-        key = hashlib.sha1(str(source.resolve()).encode() + source.read_bytes()).hexdigest()[:12]
+        # path: one name per checkout, source version and CPU, or two of them rebuild each other's.
         return load(
-            name=f"{stem}_{key}",
+            name=f"{stem}_{build_key(source)}",
             sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(SHARED_INCLUDE)],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no headers: the torch path still works

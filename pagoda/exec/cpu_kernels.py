@@ -1,5 +1,6 @@
 """The execution layer's C++ CPU kernels, compiled on first use (or at `make install`) and cached:
-the paged KV cache's (decode attention over the blocks, KV write) and float32 prefill attention."""
+the paged KV cache's (decode attention over the blocks, KV write) and prefill attention (float32
+math; the backend widens bf16 and fp16 inputs to it)."""
 
 from __future__ import annotations
 

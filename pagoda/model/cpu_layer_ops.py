@@ -1,6 +1,12 @@
 """The fused CPU layer ops (csrc/layer_ops.cpp): RMSNorm with or without the residual add, rotary in
 place, SiLU-and-multiply. The layers use them for float32 and bfloat16 tensors on the CPU when the
 extension builds; everything else (float16, GPU, PAGODA_NO_CPP=1, no compiler) takes the PyTorch path.
+
+What equals what: in bf16, rotary and SiLU-and-multiply give the PyTorch path's bits on every ISA
+torch dispatches to (AVX-512, AVX2, scalar; SiLU checked for all 65,536 gates against bf16(g / (1 +
+exp(-g))) with exp rounded once to float, which torch's F.silu also gives); RMSNorm sums its squares
+in another, ISA-independent order and may differ by a bf16 step in rare elements. float32 agrees
+within float rounding. inf and NaN come out where the PyTorch path puts them.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ from tests.exec.test_paged_attention import D, build_batch
 
 
 def _kernels():
+    if os.environ.get("PAGODA_NO_CPP") == "1":
+        pytest.skip("PAGODA_NO_CPP=1 turns the C++ kernels off")
     kernels = load_cpu_kernels()
     assert kernels is not None, "the CPU kernels failed to build"
     return kernels
@@ -130,3 +134,40 @@ def test_cpp_decode_reads_q_in_place_from_the_fused_projection(dtype):
     assert torch.equal(got, kernel(q.contiguous(), kc, vc, tables, lens, d**-0.5))
     with pytest.raises(RuntimeError, match="contiguous heads"):
         kernel(q.transpose(1, 2), kc, vc, tables, lens, d**-0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_decode_with_inf_and_nan_equals_the_reference(dtype):
+    """NaN and +inf scores make their head NaN and a -inf score weighs 0, as torch's softmax over the
+    context has it; cache rows past a sequence's length (NaN and inf here) contribute nothing."""
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, bs, num_blocks = 4, 2, 32, 16, 40
+    kc, vc = (torch.randn(num_blocks, bs, hkv, d, generator=g) for _ in range(2))
+    lens = torch.tensor([21, 30, 9, 40, 17, 33])
+    tables = torch.randperm(num_blocks, generator=g)[:18].view(6, 3)
+    q = torch.randn(6, hq, d, generator=g)
+    q[:, :, 0] = q[:, :, 0].abs() + 0.5  # so that an inf in a key's dim 0 gives an inf score of its sign
+    used = torch.zeros(num_blocks * bs, dtype=torch.bool)
+    for b, n in enumerate(lens.tolist()):
+        slots = torch.tensor([tables[b, p // bs] * bs + p % bs for p in range(n)])
+        used[slots] = True
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    flat_k[~used], flat_v[~used] = float("nan"), float("inf")  # every row no sequence reads
+
+    def at(b: int, pos: int) -> int:
+        return int(tables[b, pos // bs] * bs + pos % bs)
+
+    flat_k[at(0, 5), 0, 3] = float("nan")  # seq 0, KV head 0: its query heads 0-1 are NaN
+    flat_k[at(1, 12), 1, 0] = float("-inf")  # seq 1, KV head 1: one key weighs 0
+    flat_k[at(2, 8), 0, 0] = float("inf")  # seq 2, KV head 0: +inf score, NaN heads
+    q[3, 2, 7] = float("nan")  # seq 3, query head 2 only
+    for pos in range(int(lens[4])):  # seq 4, KV head 1: every score -inf, NaN as in torch
+        flat_k[at(4, pos), 1, 0] = float("-inf")
+    kc, vc, q = kc.to(dtype), vc.to(dtype), q.to(dtype)
+    got = _kernels().paged_decode(q, kc, vc, tables, lens, d**-0.5)
+    want = _dense_decode(q, kc, vc, tables, lens, d**-0.5)
+    nan_heads = {(0, 0), (0, 1), (2, 0), (2, 1), (3, 2), (4, 2), (4, 3)}
+    assert {tuple(i) for i in want.isnan().any(-1).nonzero().tolist()} == nan_heads
+    assert not want.isinf().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, equal_nan=True)

@@ -1,5 +1,6 @@
 """The C++ float32 prefill attention (csrc/prefill_attention.cpp) equals causal SDPA, and the CPU
-backend uses it for float32 prefills (fresh prompts and chunks over cached context)."""
+backend uses it for prefills of every dtype (fresh prompts and chunks over cached context): bf16
+widened to float32 and the output rounded once, as the decode kernel does."""
 
 from __future__ import annotations
 
@@ -57,6 +58,49 @@ def test_large_scores_keep_the_softmax_finite():
     torch.testing.assert_close(got, causal_sdpa(q, k, v, 1.0), atol=1e-4, rtol=1e-4)
 
 
+def _attention_over_visible_keys(q, k, v, scale):
+    """Each query against exactly the keys it sees (a slice, not a mask): a later key, whatever its
+    value, cannot reach it. [n, Hq, D] from q [n, Hq, D] and k, v [S, Hkv, D], in float32."""
+    n, hq, _ = q.shape
+    seq_len, hkv = k.shape[0], k.shape[1]
+    keys, values = (t.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1) for t in (k, v))  # [Hq, S, D]
+    out = torch.empty(q.shape)
+    for i in range(n):
+        visible = seq_len - n + i + 1
+        p = torch.softmax((keys[:, :visible] @ q[i].float().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)
+        out[i] = (p.unsqueeze(1) @ values[:, :visible]).squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize("n,seq_len", [(70, 70), (70, 200)])
+def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len):
+    """NaN and +inf scores make their rows NaN and a -inf score weighs 0, as torch's softmax has it;
+    a key past a query's position contributes nothing to it, even a NaN value (causal SDPA lets that
+    NaN into every row of the block: 0 * NaN)."""
+    g = torch.Generator().manual_seed(n + seq_len)
+    hq, hkv, d = 4, 2, 32
+    q, k, v = (t.clone() for t in _fused_qkv(n, seq_len, hq, hkv, d, g))
+    q[..., 0] = q[..., 0].abs() + 0.5  # an inf in a key's dim 0 gives a score of the inf's sign
+    ctx = seq_len - n
+
+    def pos(i: int) -> int:  # the key position of query i
+        return ctx + i
+
+    v[pos(40), 0, 5] = float("nan")  # KV head 0: rows from query 40 on are NaN, 32-39 (its block) not
+    k[pos(10), 0, 0] = float("-inf")  # KV head 0: that key weighs 0 for every later row
+    k[pos(60), 1, 0] = float("inf")  # KV head 1: an inf score, NaN rows from query 60 on
+    q[20, 3, 2] = float("nan")  # one query head of one row
+    want = _attention_over_visible_keys(q, k, v, d**-0.5)
+    got = kernel.prefill_attention(q, k, v, d**-0.5)
+    nan_rows = want.isnan().any(-1)  # [n, Hq]
+    assert nan_rows[:, :2].nonzero()[:, 0].unique().tolist() == list(range(40, n))
+    assert nan_rows[:, 2:].nonzero()[:, 0].unique().tolist() == [20, *range(60, n)]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, equal_nan=True)
+    # Every score -inf (each key's dim 0): no weight left, NaN, as torch's softmax gives.
+    k[:, 1, 0] = float("-inf")
+    assert kernel.prefill_attention(q, k, v, d**-0.5)[:, 2:].isnan().all()
+
+
 def test_bad_inputs_are_refused_with_a_message():
     q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
     with pytest.raises(RuntimeError, match="takes float32"):
@@ -67,24 +111,41 @@ def test_bad_inputs_are_refused_with_a_message():
         kernel.prefill_attention(torch.randn(5, 2, 16), k, k, 1.0)
 
 
-def test_backend_routes_float32_prefills_to_the_kernel_and_others_to_sdpa(monkeypatch):
+def test_backend_routes_cpu_prefills_of_each_dtype_to_the_kernel(monkeypatch):
     from pagoda.exec.attn_metadata import PagedAttentionMetadata
 
     cache = PagedKVCache(1, 8, 16, 1, 16, torch.float32, torch.device("cpu"))
     backend = TorchPagedAttention(cache)
     assert backend.prefill_kernel is not None
     calls = []
-    backend.prefill_kernel = lambda *a: calls.append("kernel") or kernel.prefill_attention(*a)
+    backend.prefill_kernel = lambda *a: calls.append(("kernel", a[0].dtype)) or kernel.prefill_attention(*a)
     monkeypatch.setattr("pagoda.exec.paged_attention.causal_sdpa", lambda *a: calls.append("sdpa") or causal_sdpa(*a))
     meta = PagedAttentionMetadata.__new__(PagedAttentionMetadata)
     meta.block_size, meta.block_tables = 16, torch.tensor([[0, 1]])
     g = torch.Generator().manual_seed(0)
-    for dtype, d in ((torch.float32, 16), (torch.bfloat16, 16)):
+    for dtype, d in ((torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 8)):
         cache = PagedKVCache(1, 8, 16, 1, d, dtype, torch.device("cpu"))
         k_cache, v_cache = cache.layer(0)
         q, k, v = (t.to(dtype) for t in _fused_qkv(10, 10, 2, 1, d, g))
-        backend._prefill(q, k, v, k_cache, v_cache, meta, 0, 10, 0.25)  # fresh prompt
+        out = backend._prefill(q, k, v, k_cache, v_cache, meta, 0, 10, 0.25)  # fresh prompt
+        assert out.dtype == dtype
         k_cache.view(-1, 1, d)[:20] = torch.randn(20, 1, d).to(dtype)
         v_cache.view(-1, 1, d)[:20] = torch.randn(20, 1, d).to(dtype)
         backend._prefill(q, k, v, k_cache, v_cache, meta, 0, 20, 0.25)  # a chunk over 10 cached tokens
-    assert calls == ["kernel", "kernel", "sdpa", "sdpa"]
+    # float32 and bf16 (widened) reach the kernel; head_dim 8 is not the kernel's.
+    assert calls == [("kernel", torch.float32)] * 4 + ["sdpa", "sdpa"]
+
+
+def test_bf16_prefill_depends_only_on_the_keys_each_position_sees():
+    """bf16 through the backend: a prompt's rows are the same bits whether more tokens follow or not
+    (bf16 SDPA, which blocks by length, moved them), and within a bf16 rounding of float32 math."""
+    g = torch.Generator().manual_seed(6)
+    backend = TorchPagedAttention(PagedKVCache(1, 8, 16, 3, 64, torch.bfloat16, torch.device("cpu")))
+    seq_len = 300
+    q, k, v = (t.to(torch.bfloat16) for t in _fused_qkv(seq_len, seq_len, 9, 3, 64, g))
+    whole = backend._prefill(q, k, v, None, None, None, 0, seq_len, 0.125)
+    for n in (5, 40, 290):
+        part = backend._prefill(q[:n], k[:n], v[:n], None, None, None, 0, n, 0.125)
+        assert torch.equal(part, whole[:n])
+    want = causal_sdpa(q.float(), k.float(), v.float(), 0.125)
+    torch.testing.assert_close(whole.float(), want, atol=1e-5, rtol=2**-8)

@@ -1,5 +1,11 @@
-"""The fused CPU layer ops equal the PyTorch layers they replace (float32 within rounding, bfloat16 bit
-for bit but for RMSNorm's summation order), and are used where they apply."""
+"""The fused CPU layer ops equal the PyTorch layers they replace, and are used where they apply.
+
+float32: within float rounding. bfloat16: rotary and SiLU-and-multiply bit for bit on every ISA torch
+dispatches to (AVX-512, AVX2 under ATEN_CPU_CAPABILITY=avx2, scalar under =default), RMSNorm within a
+bf16 step for the rare element its summation order moves. Both dtypes: inf and NaN come out where
+the PyTorch path puts them (NaN bits aside: torch's vector and scalar bf16 conversions write
+different NaNs).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagoda import cpp_build
 from pagoda.model import layers
-from pagoda.model.cpu_layer_ops import load_layer_ops
+from pagoda.model.cpu_layer_ops import _SOURCE, load_layer_ops
 from pagoda.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rms_norm_reference, silu_and_mul_reference
 
 ops = load_layer_ops()
@@ -67,9 +74,10 @@ def test_rotary_rejects_a_position_past_its_table():
 
 def test_silu_and_mul():
     g = torch.Generator().manual_seed(1)
-    x = _rows(50, 2 * 80, g, stride_pad=16)
+    x = _rows(50, 2 * 80, g, stride_pad=16) * 30  # past +-88 too, where exp(-gate) overflows
     gate, up = x.chunk(2, dim=-1)
-    torch.testing.assert_close(layers.silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    # exp_f32 is within 2 ulp of exp, so silu within a few float ulp of torch's.
+    torch.testing.assert_close(layers.silu_and_mul(x), F.silu(gate) * up, atol=1e-30, rtol=1e-6)
 
 
 def test_float32_and_bf16_on_cpu_take_the_fused_path_float16_does_not(monkeypatch):
@@ -128,6 +136,8 @@ def test_bf16_norms_round_as_the_pytorch_path():
 
 
 def test_bf16_rotary_and_silu_equal_the_pytorch_path_bitwise():
+    """Bit for bit, on AVX-512, AVX2 and scalar torch alike: rotary (each product and sum rounded to
+    bf16 where apply_rotary rounds) and SiLU-and-multiply (silu(gate) rounded, then the product)."""
     g = torch.Generator().manual_seed(4)
     rotary = RotaryEmbedding(64, {"rope_theta": 100000.0})
     t, hq, hkv, d = 300, 9, 3, 64
@@ -143,6 +153,110 @@ def test_bf16_rotary_and_silu_equal_the_pytorch_path_bitwise():
 
     x = (torch.randn(t, 2 * 1536 + 16, generator=g) * 3).to(torch.bfloat16)[:, : 2 * 1536]
     assert torch.equal(layers.silu_and_mul(x), silu_and_mul_reference(x))
+
+
+def _all_bf16() -> torch.Tensor:
+    """Every bf16 value once: +-0, subnormals, normals, +-inf and the NaNs."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _assert_same_bits_or_both_nan(got: torch.Tensor, want: torch.Tensor) -> None:
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan), "NaN where the reference has none, or the reverse"
+    differ = (got.view(torch.int16) != want.view(torch.int16)) & ~nan
+    assert not differ.any(), f"{int(differ.sum())} differ, e.g. at {want[differ][:5].tolist()}"
+
+
+def test_bf16_silu_and_mul_equals_torch_for_every_gate():
+    """All 65,536 bf16 gates: the kernel's silu is bf16(g / (1 + e)), e = exp(-g) rounded once to float
+    (the reference below, in double), and so is torch's F.silu on this ISA, bit for bit."""
+    gate = _all_bf16()
+    gf = gate.float()
+    e = torch.exp(-gf.double()).float()  # exp(-g) rounded once to float (inf past float's range)
+    reference = (gf / (1 + e)).to(torch.bfloat16)
+    _assert_same_bits_or_both_nan(F.silu(gate), reference)  # torch's own path, this ISA
+    for up in (torch.ones_like(gate), torch.full_like(gate, -3.5), gate.flip(0)):
+        x = torch.cat([gate, up]).view(1, -1)  # one row: [gate | up]
+        got = ops.silu_and_mul(x).view(-1)
+        _assert_same_bits_or_both_nan(got, reference * up)
+        _assert_same_bits_or_both_nan(got, F.silu(gate) * up)
+    # Where exp(-g) overflows, silu is -0 (the vectorised fast-math build gave NaN there).
+    big = torch.tensor([-89.0, -100.0, -1e30]).to(torch.bfloat16)
+    out = ops.silu_and_mul(torch.cat([big.repeat(40), torch.ones(120, dtype=torch.bfloat16)]).view(1, -1))
+    assert torch.equal(out, torch.zeros_like(out)) and bool(out.signbit().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inf_and_nan_come_out_where_the_pytorch_path_puts_them(dtype):
+    g = torch.Generator().manual_seed(5)
+    t, h = 6, 96
+    special = {(0, 3): float("nan"), (1, 7): float("inf"), (2, 0): float("-inf"), (3, 50): 1e30}
+    x = torch.randn(t, h, generator=g)
+    for (i, j), v in special.items():
+        x[i, j] = v
+    x = x.to(dtype)
+    weight = (torch.rand(h, generator=g) + 0.5).to(dtype)
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> None:
+        if dtype == torch.bfloat16:
+            _assert_same_bits_or_both_nan(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+    # A row with NaN is NaN; one with +-inf is NaN there (inf * 0) and 0 elsewhere; the rest as usual.
+    want = rms_norm_reference(x, weight, 1e-5)
+    assert bool(want[0].isnan().all()) and bool(want[1, 7].isnan()) and not want[4:].isnan().any()
+    same(ops.rms_norm(x, weight, 1e-5), want)
+    res = torch.randn(t, h, generator=g).to(dtype)
+    want_res = x + res
+    xc, rc = x.clone(), res.clone()
+    ops.add_rms_norm_(xc, rc, weight, 1e-5)
+    same(rc, want_res)
+    same(xc, rms_norm_reference(want_res, weight, 1e-5))
+
+    rotary = RotaryEmbedding(16, {"rope_theta": 10000.0})
+    positions = torch.arange(t) * 7
+    q, k = x.view(t, 6, 16).clone(), x.view(t, 6, 16)[:, 2:4].clone()
+    cos, sin = rotary.cos_sin(positions, dtype)
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    assert want_q.isnan().any() and want_q.isinf().any()
+    got_q, got_k = rotary.for_step(positions, dtype).apply(q, k)
+    same(got_q, want_q)
+    same(got_k, want_k)
+
+    gate_up = torch.cat([x, x.flip(0)], dim=1)  # inf, -inf and NaN in both halves
+    same(ops.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
+
+
+def test_an_avx2_build_gives_the_native_builds_bits(monkeypatch):
+    """Results do not hang on the vector width the compiler picked: built for AVX2 (-march=haswell),
+    the ops give the native build's bits (AVX-512 on an AVX-512 machine), float32 and bf16, row
+    lengths with and without a tail past the vector lanes. The first run compiles (~30 s)."""
+    if not {"avx2", "fma", "f16c"} <= set(cpp_build.cpu_flags().split()):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    haswell = tuple("-march=haswell" if f == "-march=native" else f for f in cpp_build.CFLAGS)
+    monkeypatch.setattr(cpp_build, "CFLAGS", haswell)
+    avx2 = cpp_build.build_cpu_extension("pagoda_layer_ops", _SOURCE, "the layer ops built for AVX2")
+    assert avx2 is not None
+    g = torch.Generator().manual_seed(8)
+    for dtype in (torch.float32, torch.bfloat16):
+        for h in (576, 581, 5):
+            x = (torch.randn(64, h + 3, generator=g) * 3).to(dtype)[:, :h]
+            w = (torch.rand(h, generator=g) + 0.5).to(dtype)
+            assert torch.equal(avx2.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5))
+            res = torch.randn(64, h, generator=g).to(dtype)
+            pairs = [(x.contiguous(), res.clone()) for _ in range(2)]
+            avx2.add_rms_norm_(*pairs[0], w, 1e-5)
+            ops.add_rms_norm_(*pairs[1], w, 1e-5)
+            assert torch.equal(pairs[0][0], pairs[1][0]) and torch.equal(pairs[0][1], pairs[1][1])
+        gate_up = (torch.randn(64, 2 * 1536, generator=g) * 4).to(dtype)
+        assert torch.equal(avx2.silu_and_mul(gate_up), ops.silu_and_mul(gate_up))
+        q = torch.randn(64, 9, 64, generator=g).to(dtype)
+        positions, table = torch.randint(0, 600, (64,), generator=g), torch.randn(600, 64, generator=g)
+        q_avx2, q_native = q.clone(), q.clone()
+        avx2.rotary_(q_avx2, positions, table)
+        ops.rotary_(q_native, positions, table)
+        assert torch.equal(q_avx2, q_native)
 
 
 def test_mixed_dtypes_are_refused():

@@ -6,6 +6,10 @@
 // reads whole rows. With few sequences (a lone long decode) items are (sequence, KV head) instead,
 // trading strided reads for parallelism. The cache may hold a float32 model's K/V as bf16 or fp16
 // (kv_cache_dtype): half the bytes to read, converted to float32 on the way in.
+//
+// inf and NaN go through as in exact arithmetic over the context (built without -ffast-math; see
+// vec_math.h): a NaN or +inf score makes its head's output NaN, as torch's softmax does; a -inf
+// score weighs 0; cache rows past a sequence's length (the rest of its last block) are never read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -17,6 +21,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "vec_math.h"
 
 // `n` values of `src` as floats in `dst`. The 16-bit conversions use AVX2/F16C where the compiler
 // targets them: c10's scalar conversions made a 16-bit cache slower to decode than a float one.
@@ -161,14 +167,8 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
       }
       for (int64_t h = 0; h < nh; ++h) {
         float* sh = &scores[h * S];
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < S; ++t) m = sh[t] > m ? sh[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < S; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          sum += sh[t];
-        }
-        inv[h] = 1.f / sum;
+        const float m = pagoda::max_f32(sh, S, -std::numeric_limits<float>::infinity());
+        inv[h] = 1.f / pagoda::exp_minus_max_(sh, S, m);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < S; t0 += BS) {

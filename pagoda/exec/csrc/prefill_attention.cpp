@@ -10,22 +10,31 @@
 // - each K block is packed transposed ([D, BK], zero-padded), so QK^T and PV are both A x B with B
 //   row-major and 16 columns per register tile;
 // - key blocks wholly above the diagonal are skipped; the diagonal block is masked.
+//
+// inf and NaN go through as in exact arithmetic over each query's visible keys (built without
+// -ffast-math; see vec_math.h): a NaN or +inf score makes its row NaN and a -inf score weighs 0, as
+// in torch's softmax, and a key past a query's position contributes nothing to it, even a NaN or inf
+// one (torch's SDPA lets such a value leak into every row: 0 * NaN).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
 constexpr int64_t BQ = 32;  // query positions per work item (times G query heads)
 constexpr int64_t BK = 64;  // keys per block
 constexpr int MR = 6;       // micro-kernel rows; its columns are 16 (two ymm)
-// The running max before any key: finite, because the build's -ffast-math assumes no infinities;
-// exp(kNoMax - m) is 0 for any real score m.
-constexpr float kNoMax = -1e30f;
+// The running max before any key: the lowest float, not -inf, so that the first correction
+// exp(kNoMax - m) is exp(0) = 1 when every score so far is -inf (-inf - -inf would be NaN) and 0 for
+// any finite score m above it.
+constexpr float kNoMax = std::numeric_limits<float>::lowest();
 
 // C[R x 16] (=, or += when ACC) A[R x K] B[K x 16]; A rows lda apart, B rows ldb apart, C rows ldc apart.
 template <int R, bool ACC>
@@ -124,19 +133,16 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
         }
         for (int64_t j = 0; j < nk; ++j) std::copy_n(vp + (j0 + j) * vs + h * vhs, D, &Vp[j * D]);
         gemm<false>(Qp.data(), D, Kt.data(), BK, rows, nkp, D, Sc.data(), BK);
+        // Keys [0, all_see) are visible to every row; row r also sees [all_see, visible(r)).
+        const auto visible = [&](int64_t r) { return std::clamp<int64_t>(ctx + i0 + r % nq + 1 - j0, 0, nk); };
+        const int64_t all_see = visible(0);
         for (int64_t r = 0; r < rows; ++r) {
-          // Keys past this query's position (and the padding) are masked out.
-          const int64_t visible = std::min(nk, ctx + i0 + r % nq + 1 - j0);
+          const int64_t vis = visible(r);
           float* s = &Sc[r * BK];
-          float m = mx[r];
-          for (int64_t j = 0; j < visible; ++j) m = std::max(m, s[j]);
-          const float correction = std::exp(mx[r] - m);
-          float add = 0.f;
-          for (int64_t j = 0; j < visible; ++j) {
-            s[j] = std::exp(s[j] - m);
-            add += s[j];
-          }
-          for (int64_t j = std::max<int64_t>(visible, 0); j < nk; ++j) s[j] = 0.f;
+          const float m = pagoda::max_f32(s, vis, mx[r]);
+          const float correction = pagoda::exp_f32(mx[r] - m);
+          const float add = pagoda::exp_minus_max_(s, vis, m);
+          for (int64_t j = vis; j < nk; ++j) s[j] = 0.f;  // masked: weight 0
           sum[r] = sum[r] * correction + add;
           mx[r] = m;
           if (correction != 1.f) {
@@ -144,7 +150,23 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
             for (int64_t d = 0; d < D; ++d) o[d] *= correction;
           }
         }
-        gemm<true>(Sc.data(), BK, Vp.data(), D, rows, D, nk, O.data(), D);
+        // A masked key's weight is 0, but through the GEMM 0 * (an inf or NaN value) would still be
+        // NaN: when some row does not see every key of the block and such a value is there, the GEMM
+        // takes the keys all rows see and each row adds its own triangle.
+        if (all_see == nk || pagoda::all_finite(&Vp[all_see * D], (nk - all_see) * D)) {
+          gemm<true>(Sc.data(), BK, Vp.data(), D, rows, D, nk, O.data(), D);
+        } else {
+          gemm<true>(Sc.data(), BK, Vp.data(), D, rows, D, all_see, O.data(), D);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* s = &Sc[r * BK];
+            float* o = &O[r * D];
+            for (int64_t j = all_see, vis = visible(r); j < vis; ++j) {
+              const float p = s[j];
+              const float* vj = &Vp[j * D];
+              for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
+            }
+          }
+        }
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < nq; ++i) {

@@ -7,18 +7,31 @@
 // each is one pass, parallel over rows, computing in float32.
 //
 // bf16 rounds to bf16 exactly where the PyTorch path in layers.py rounds (each op's result: every
-// product and sum of rotary, silu before the multiply, the normalised row before the weight), so it
-// gives that path's results bit for bit but for the rare row whose float32 sum of squares is added up
-// in another order.
+// product and sum of rotary, silu before the multiply, the normalised row before the weight). So:
+// - rotary and SiLU-and-multiply equal that path bit for bit (tests/model/test_cpu_layer_ops.py).
+//   SiLU reads silu(gate) from a table of all 65,536 bf16 gates, each bf16(g / (1 + e)) with
+//   e = exp(-g) rounded once to float, and the division in float; torch's F.silu gives the same
+//   table on every ISA it dispatches to (AVX-512, AVX2, scalar: checked for all inputs), its float
+//   exp being accurate enough that no entry rounds differently. The product with `up` is exact in
+//   float and rounds once, as torch's bf16 multiply does.
+// - RMSNorm adds its float32 sum of squares in another order than torch's reduction, which can move
+//   a rare normalised value by a bf16 step. Its order is fixed in the source (sum_squares), so the
+//   kernel gives the same bits whether the compiler targets AVX2 or AVX-512.
+// float32 agrees with the PyTorch path within float rounding (FMA contraction, exp_f32 within 1 ulp).
+// NaN and inf go through as IEEE arithmetic takes them (no -ffast-math; see vec_math.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 using bf16 = c10::BFloat16;
+using pagoda::kLanes;
 
 // Load as float; round a float result as the element type stores it (identity for float32); store.
 static inline float load(float x) { return x; }
@@ -64,12 +77,31 @@ static void check_weight(const torch::Tensor& w, const torch::Tensor& x) {
               "weight must be contiguous, of x's dtype and hidden size");
 }
 
+// The float32 sum of squares of x[0, H), in 2 * kLanes partial sums (two vector chains, so the FMA
+// latency is hidden), added up in a fixed order: the same bits on every ISA.
+template <typename T>
+static inline float sum_squares(const T* x, int64_t H) {
+  float lane[2 * kLanes] = {};
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= H; j += 2 * kLanes)
+    for (int64_t l = 0; l < 2 * kLanes; ++l) {
+      const float v = load(x[j + l]);
+      lane[l] += v * v;
+    }
+  // The tail into the lanes too: as a running sum the compiler may multiply apart from the add in
+  // one build and fuse them in another.
+  for (int64_t l = 0; j + l < H; ++l) {
+    const float v = load(x[j + l]);
+    lane[l] += v * v;
+  }
+  for (int64_t l = 0; l < kLanes; ++l) lane[l] += lane[l + kLanes];
+  return pagoda::combine_lanes(lane);
+}
+
 // out = weight * round(x / rms(x)), the sum of squares in float32.
 template <typename T>
 static inline void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
-  float ss = 0.f;
-  for (int64_t j = 0; j < H; ++j) ss += load(x[j]) * load(x[j]);
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const float inv = 1.f / std::sqrt(sum_squares(x, H) / static_cast<float>(H) + eps);
   for (int64_t j = 0; j < H; ++j) store(out + j, rnd<T>(load(x[j]) * inv) * load(w[j]));
 }
 
@@ -164,18 +196,44 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
   else rotary_impl<bf16>(x, pp, cos_sin.data_ptr<float>());
 }
 
+// silu(g) for every bf16 g, indexed by g's bits, as the floats of the bf16 results: bf16(g / (1 + e))
+// with e = exp(-g) rounded once to float (from a double exp) and the sum and division in float,
+// which is what torch's F.silu computes (see the header). Built once, on first use.
+static const float* silu_bf16_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(1 << 16);
+    for (uint32_t b = 0; b < (1u << 16); ++b) {
+      bf16 g;
+      g.x = static_cast<uint16_t>(b);
+      const float x = load(g);
+      const double e = std::exp(-static_cast<double>(x));
+      // Past float's range exp(-g) is inf (and silu -0, or NaN at g = -inf, as in float math).
+      const float ef = e > std::numeric_limits<float>::max() ? std::numeric_limits<float>::infinity()
+                                                              : static_cast<float>(e);
+      t[b] = rnd<bf16>(x / (1.f + ef));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
 template <typename T>
 static void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
   const int64_t T_ = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  const float* table = std::is_same_v<T, bf16> ? silu_bf16_table() : nullptr;
   at::parallel_for(0, T_, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T *g = xp + i * xs, *u = g + I;
       T* o = op + i * I;
-      for (int64_t j = 0; j < I; ++j) {
-        const float gj = load(g[j]);
-        store(o + j, rnd<T>(gj / (1.f + std::exp(-gj))) * load(u[j]));
+      if constexpr (std::is_same_v<T, bf16>) {
+        for (int64_t j = 0; j < I; ++j) store(o + j, table[g[j].x] * load(u[j]));
+      } else {
+        for (int64_t j = 0; j < I; ++j) {
+          const float gj = load(g[j]);
+          store(o + j, gj / (1.f + pagoda::exp_f32(-gj)) * load(u[j]));
+        }
       }
     }
   });

@@ -1,0 +1,57 @@
+"""The C++ kernels' build key: one build per source, flags, torch version and CPU instruction set, so
+that a cache moved to a CPU without the instructions `-march=native` chose builds afresh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagoda import cpp_build
+from pagoda.cpp_build import build_key, cpu_flags
+
+ZEN4 = "avx avx2 avx512_bf16 avx512bw avx512f fma sse4_2"
+HASWELL = "avx avx2 fma sse4_2"
+
+
+def test_the_key_follows_the_cpu_flags(monkeypatch, tmp_path: Path):
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }\n")
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: ZEN4)
+    zen4 = build_key(source)
+    assert build_key(source) == zen4  # the same flags: the same build
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: HASWELL)
+    assert build_key(source) != zen4  # no AVX-512: another build
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: ZEN4)
+    assert build_key(source) == zen4
+
+
+def test_the_key_follows_the_source_its_headers_and_the_flags(monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: ZEN4)
+    header, source = tmp_path / "h.h", tmp_path / "k.cpp"
+    header.write_text("#pragma once\nconstexpr int kOne = 1;\n")
+    source.write_text('#include "h.h"\n#include <vector>\nint f() { return kOne; }\n')
+    assert cpp_build._included_headers(source) == [header.resolve()]
+    first = build_key(source)
+    header.write_text("#pragma once\nconstexpr int kOne = 2;\n")
+    second = build_key(source)
+    assert second != first  # a header's change rebuilds
+    monkeypatch.setattr(cpp_build, "CFLAGS", (*cpp_build.CFLAGS, "-ffast-math"))
+    assert build_key(source) != second
+
+
+def test_cpu_flags_are_read_once_and_name_the_simd_sets():
+    flags = cpu_flags()
+    assert cpu_flags() is flags  # cached: read once per process
+    if Path("/proc/cpuinfo").exists() and cpp_build.platform.machine() in ("x86_64", "AMD64"):
+        assert "sse2" in flags.split()
+        assert flags.split() == sorted(set(flags.split()))
+
+
+def test_the_kernels_are_built_under_their_key():
+    from pagoda.model.cpu_layer_ops import _SOURCE, load_layer_ops
+
+    module = load_layer_ops()
+    if module is None:
+        pytest.skip("the C++ layer ops did not build (PAGODA_NO_CPP=1 or no compiler)")
+    assert module.__name__ == f"pagoda_layer_ops_{build_key(_SOURCE)}"
