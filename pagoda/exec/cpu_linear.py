@@ -4,20 +4,26 @@ into oneDNN's blocked layout (vLLM's CPU backend packs its linears the same way)
 Measured on 2 AVX2 cores, SmolLM2 in fp32, against torch's default F.linear (MKL): the LM head with
 64 rows takes 27 ms instead of 55; a decode step of ~60 sequences ~200 instead of ~250-300 ms, and
 a step of decodes plus a few hundred prefill tokens ~20 % less; a pure 2,048-token prefill step is
-~5 % slower (one-off A/B scripts, 2026-11-30; docs/benchmarks.md). Only float32: what `dtype=auto`
-picks on CPUs without native bf16; the oneDNN bf16 path is unmeasured. PAGODA_NO_ONEDNN=1 turns
-both off.
+~5 % slower (one-off A/B scripts, 2026-11-30; docs/benchmarks.md).
+
+bfloat16 is packed too where the CPU has native bf16 instructions (AVX512-BF16 or AMX, where
+`dtype=auto` picks bf16). On a 2-core AVX512-BF16 EPYC, SmolLM2's shapes, packed against F.linear:
+1.6-1.9x as fast for one row, 1.14-1.26x for 64 rows, 1.04x for 512, with bitwise identical results
+(both are oneDNN's bf16 GEMM accumulating in float32; docs/benchmarks.md). Without native bf16
+oneDNN emulates it, so there bf16 keeps F.linear. PAGODA_NO_ONEDNN=1 turns every packing off.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from functools import lru_cache
 from typing import Callable
 
 import torch
 from torch import nn
 
+from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.mmap_weights import release_pages
 
 logger = logging.getLogger(__name__)
@@ -25,10 +31,15 @@ logger = logging.getLogger(__name__)
 _ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows; any count works
 
 
+@lru_cache(maxsize=1)
+def _native_bf16() -> bool:
+    return cpu_has_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _onednn_usable(weight: torch.Tensor, device: torch.device) -> bool:
     return (
         device.type == "cpu"
-        and weight.dtype == torch.float32
+        and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _native_bf16()))
         and torch.backends.mkldnn.is_available()
         and os.environ.get("PAGODA_NO_ONEDNN") != "1"
     )
@@ -62,8 +73,8 @@ class PackedLinear(nn.Module):
 
 
 def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The fastest way to compute `model`'s logits on `device`: the packed head on CPU in fp32, else
-    the model's own compute_logits."""
+    """The fastest way to compute `model`'s logits on `device`: the packed head on CPU in fp32 (and
+    bf16 on CPUs with native bf16), else the model's own compute_logits."""
     weight = model.lm_head_weight()
     if not _onednn_usable(weight, device):
         return model.compute_logits
@@ -75,8 +86,8 @@ def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor]
 
 
 def pack_linears(model: nn.Module, device: torch.device) -> int:
-    """Swap every float32 nn.Linear of `model` on the CPU (but the LM head, which `logits_fn`
-    serves) for a PackedLinear; the unpacked weights are dropped. Returns how many were swapped."""
+    """Swap every nn.Linear of `model` on the CPU that oneDNN serves well (float32; bf16 with native
+    bf16) but the LM head, which `logits_fn` serves, for a PackedLinear; the unpacked weights are dropped. Returns how many were swapped."""
     targets = [
         (parent, name, child)
         for parent in model.modules()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagoda.exec import cpu_linear
 from pagoda.exec.cpu_linear import PackedLinear, PackedLMHead, logits_fn, pack_linears
+from pagoda.model.loader import cpu_has_bf16
 
 
 class _Head(torch.nn.Module):
@@ -32,11 +34,16 @@ def test_packed_head_equals_matmul(rows):
     torch.testing.assert_close(head(picked), picked @ weight.t(), atol=1e-4, rtol=1e-5)
 
 
-def test_used_for_fp32_on_cpu_only(monkeypatch):
+def test_used_for_fp32_and_for_bf16_only_with_native_bf16(monkeypatch):
     cpu = torch.device("cpu")
     assert isinstance(logits_fn(_Head(torch.randn(50, 8)), cpu), PackedLMHead)
     bf16 = _Head(torch.randn(50, 8, dtype=torch.bfloat16))
+    monkeypatch.setattr(cpu_linear, "_native_bf16", lambda: False)
     assert logits_fn(bf16, cpu) == bf16.compute_logits
+    monkeypatch.setattr(cpu_linear, "_native_bf16", lambda: True)
+    assert isinstance(logits_fn(bf16, cpu), PackedLMHead)
+    fp16 = _Head(torch.randn(50, 8, dtype=torch.float16))
+    assert logits_fn(fp16, cpu) == fp16.compute_logits
     monkeypatch.setenv("PAGODA_NO_ONEDNN", "1")
     fp32 = _Head(torch.randn(50, 8))
     assert logits_fn(fp32, cpu) == fp32.compute_logits
@@ -69,9 +76,32 @@ def test_pack_linears_swaps_layer_projections_but_not_the_head(monkeypatch):
     assert isinstance(net.proj, PackedLinear) and isinstance(net.block[0], PackedLinear)
     assert type(net.lm_head) is torch.nn.Linear
     torch.testing.assert_close(net.lm_head(net.block(net.proj(x))), ref, atol=1e-5, rtol=1e-5)
-    assert pack_linears(Net(torch.bfloat16), cpu) == 0
+    assert pack_linears(Net(torch.bfloat16), cpu) == (2 if cpu_linear._native_bf16() else 0)
     monkeypatch.setenv("PAGODA_NO_ONEDNN", "1")
     assert pack_linears(Net(torch.float32), cpu) == 0
+    assert pack_linears(Net(torch.bfloat16), cpu) == 0
+
+
+def test_bf16_packing_follows_the_cpu_and_is_bitwise_where_it_applies():
+    """With native bf16 (AVX512-BF16 or AMX) packed bf16 linears and head equal F.linear bit for bit
+    (both are oneDNN's bf16 GEMM with float32 accumulation), for decode and prefill row counts; without
+    it bf16 keeps F.linear, which there is faster than oneDNN's emulation."""
+    assert cpu_linear._native_bf16() == (cpu_has_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not cpu_linear._native_bf16():
+        layer = torch.nn.Linear(96, 40).to(torch.bfloat16)
+        assert not cpu_linear._onednn_usable(layer.weight, torch.device("cpu"))
+        return
+    g = torch.Generator().manual_seed(5)
+    for bias in (False, True):
+        linear = torch.nn.Linear(576, 1728, bias=bias).to(torch.bfloat16)
+        packed = PackedLinear(linear)
+        for rows in (1, 7, 64, 300):
+            x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+            assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    weight = torch.randn(4000, 576, generator=g).to(torch.bfloat16)
+    head = PackedLMHead(weight)
+    hidden = torch.randn(2 * 64, 576, generator=g).to(torch.bfloat16)[::2]  # gathered rows, as the runner passes
+    assert torch.equal(head(hidden), hidden @ weight.t())
 
 
 def test_the_cpu_runner_packs_the_layer_linears(tmp_path):
