@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from pagoda.cpp_build import cpu_flags
 from pagoda.model import gguf_cache
 from pagoda.model.errors import ModelLoadError
 
@@ -91,14 +91,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
 
 
-@lru_cache(maxsize=1)
 def cpu_has_bf16() -> bool:
     """True on CPUs with native bf16 matrix instructions (AVX512-BF16 or AMX), where bf16 is fast."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not {"avx512_bf16", "amx_bf16"}.isdisjoint(cpu_flags().split())
 
 
 def load_config(source: ModelSource, use_cache: bool = True):

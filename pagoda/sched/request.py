@@ -172,7 +172,8 @@ class Request:
         if stop is not None:
             keep, status = stop
             token_ids = token_ids[:keep]
-        # append_output_token_ids, inlined: this runs once per request per step.
+        # append_output_token_ids, inlined: calling it costs update() ~10 us a step at 256 requests
+        # (benchmarks/bench_scheduler.py).
         all_ids = self.all_token_ids
         output.extend(token_ids)
         all_ids.extend(token_ids)

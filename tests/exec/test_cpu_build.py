@@ -55,3 +55,15 @@ def test_the_kernels_are_built_under_their_key():
     if module is None:
         pytest.skip("the C++ layer ops did not build (PAGODA_NO_CPP=1 or no compiler)")
     assert module.__name__ == f"pagoda_layer_ops_{build_key(_SOURCE)}"
+
+
+def test_dtype_auto_reads_the_same_cpu_flags(monkeypatch):
+    """`dtype=auto`'s bf16 test and the build key read one list of flags (cpp_build.cpu_flags)."""
+    from pagoda.model import loader
+
+    monkeypatch.setattr(loader, "cpu_flags", lambda: ZEN4)
+    assert loader.cpu_has_bf16()
+    monkeypatch.setattr(loader, "cpu_flags", lambda: HASWELL + " amx_tile")
+    assert not loader.cpu_has_bf16()
+    monkeypatch.setattr(loader, "cpu_flags", lambda: HASWELL + " amx_bf16")
+    assert loader.cpu_has_bf16()
