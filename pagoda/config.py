@@ -10,6 +10,7 @@ for `name`, with the help and choices given in each field's metadata. A field wh
 from __future__ import annotations
 
 import re
+import typing
 from dataclasses import dataclass, field, fields
 
 
@@ -18,10 +19,6 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _DTYPE_ALIASES = ("fp16", "bf16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-_INT_FIELDS = (
-    "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "long_prefill_token_threshold",
-    "kv_cache_memory", "num_gpu_blocks_override", "max_logprobs",
-)
 
 
 def _arg(default: object, help: str, **meta: object) -> object:
@@ -97,3 +94,8 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+# The fields __post_init__ checks are integers (not floats, strings or bools), from their annotations,
+# so that a new integer field is checked too.
+_INT_FIELDS = tuple(name for name, hint in typing.get_type_hints(EngineArgs).items() if hint in (int, int | None))
