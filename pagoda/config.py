@@ -48,7 +48,12 @@ class EngineArgs:
     scheduling_policy: str = _arg(
         "fcfs", "fcfs: first come, first served; priority: by the request's priority", choices=SCHEDULING_POLICIES
     )
-    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache; default: a default for the device")
+    kv_cache_memory: int | None = _arg(
+        None,
+        "bytes for the KV cache; default: on CUDA what the profile leaves, on the CPU VLLM_CPU_KVCACHE_SPACE "
+        "(GiB) or up to 2 GiB, less for short models or small machines",
+        aliases=("--kv-cache-memory-bytes",),
+    )
     num_gpu_blocks_override: int | None = _arg(None, "exact number of KV blocks (wins over memory sizing)")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory the engine may use (KV cache sizing)")
     enforce_eager: bool = _arg(False, "never capture CUDA graphs")

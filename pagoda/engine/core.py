@@ -23,18 +23,18 @@ from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, Engin
 from pagoda.contracts.step import SchedulerOutput
 from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
+from pagoda.exec.cpu_kv_sizing import cpu_kv_budget, max_cached_free_blocks
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
 from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.kv.manager import KVCacheManager
+from pagoda.kv.working_set import WorkingSetTrimmer
 from pagoda.model.loader import LoadedModel, load_model, load_tokenizer
 from pagoda.sched.config import SchedulerConfig
 from pagoda.sched.request import Request, RequestStatus
 from pagoda.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 
 
 def pick_device(name: str) -> torch.device:
@@ -52,9 +52,14 @@ class EngineCore:
         config = self.loaded.config
         self.max_model_len = resolve_max_model_len(args.max_model_len, config)
         self.kv_cache = self._make_kv_cache()
+        # On the CPU the pool is lazily resident: bound what cached prefixes keep, and give back the
+        # memory of blocks that stay free (pagoda.kv.working_set).
+        on_cpu = self.kv_cache.can_release
         self.kv_manager = KVCacheManager(
-            self.kv_cache.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching
+            self.kv_cache.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            max_cached_free_blocks=max_cached_free_blocks(self.kv_cache.num_blocks) if on_cpu else None,
         )
+        self.kv_trimmer = WorkingSetTrimmer(self.kv_manager.block_pool, now=time.monotonic()) if on_cpu else None
         # Without chunking a prompt must fit one step.
         budget = args.max_num_batched_tokens
         if not args.enable_chunked_prefill:
@@ -126,7 +131,9 @@ class EngineCore:
                     budget = profile_kv_budget(self.loaded.model, args, self.max_model_len, cfg.num_hidden_layers,
                                                num_kv_heads, head_dim, kv_dtype, self.device)
                 else:
-                    budget = _DEFAULT_CPU_KV_BYTES
+                    per_token = per_block // args.block_size
+                    budget, why = cpu_kv_budget(per_token, args.max_num_seqs, self.max_model_len)
+                    logger.debug("CPU KV budget from %s", why)
             num_blocks = budget // per_block
         if num_blocks < 2:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
@@ -228,6 +235,8 @@ class EngineCore:
         known = {s.request_id: s.num_tokens for s in so.scheduled}
         changed = self.scheduler.update(so, result.sampled_token_ids)
         self.num_steps += 1
+        if self.kv_trimmer is not None:
+            self.trim_kv_memory()
         if self.record_iteration_tokens:
             self.iteration_tokens.append(so.total_num_scheduled_tokens)
         now = time.time()
@@ -280,6 +289,14 @@ class EngineCore:
     def timeline(self, request_id: str) -> list[dict]:
         """Timelines of a live or recently finished request (several for n > 1); [] when unknown."""
         return self.timelines.lookup(request_id)
+
+    def trim_kv_memory(self, now: float | None = None) -> int:
+        """Give back the memory of free KV blocks beyond the recent peak in use (CPU; a no-op until a
+        trim window has passed). Returns the bytes released. Called between steps and when idle."""
+        if self.kv_trimmer is None:
+            return 0
+        ids = self.kv_trimmer.blocks_to_release(time.monotonic() if now is None else now)
+        return self.kv_cache.release_blocks(ids) if ids else 0
 
     def pop_iteration_tokens(self) -> list[int]:
         tokens, self.iteration_tokens = self.iteration_tokens, []

@@ -169,6 +169,8 @@ class EngineCoreProc:
                 # Idle: let the front end see the final state (running 0, blocks free), then block.
                 self._send_stats_if_changed()
                 while not self.input.poll(_IDLE_POLL_MS):
+                    # An idle engine still gives back what a burst left resident.
+                    core.trim_kv_memory()
                     if not self._parent_alive():
                         logger.warning("parent process died; engine core exiting")
                         return

@@ -69,8 +69,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text)
         else:
-            group.add_argument(flag_name(f.name), type=kind, default=f.default, choices=f.metadata.get("choices"),
-                               help=help_text)
+            group.add_argument(flag_name(f.name), *f.metadata.get("aliases", ()), type=kind, default=f.default,
+                               choices=f.metadata.get("choices"), help=help_text)
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:

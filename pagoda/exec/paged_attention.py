@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
-from pagoda.exec.cpu_memory import lazy_zeros
+from pagoda.exec.cpu_memory import lazy_zeros, release_ranges
 
 
 class PagedKVCache:
@@ -38,6 +38,8 @@ class PagedKVCache:
         self.tensor = _zeros(shape, dtype, torch.device(device))
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # Only a lazily mapped CPU cache gives pages back; elsewhere the memory is held whole.
+        self.can_release = self.tensor.device.type == "cpu"
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -56,6 +58,34 @@ class PagedKVCache:
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[idx]
+
+    def release_blocks(self, block_ids: list[int]) -> int:
+        """Give the memory of free blocks back to the OS (CPU only; their K/V read as zeros after).
+
+        A block is one slice of every (layer, K/V) plane, so each run of consecutive ids is one
+        range per plane; only whole pages inside a run are released. Returns the bytes released."""
+        if not block_ids or not self.can_release:
+            return 0
+        t = self.tensor
+        block_bytes = math.prod(t.shape[3:]) * t.element_size()
+        plane_bytes = self.num_blocks * block_bytes
+        ranges = []
+        for first, last in _runs(sorted(block_ids)):
+            for plane in range(t.shape[0] * t.shape[1]):
+                base = plane * plane_bytes
+                ranges.append((base + first * block_bytes, base + (last + 1) * block_bytes))
+        return release_ranges(t, ranges)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids -> maximal runs of consecutive ids as (first, last)."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

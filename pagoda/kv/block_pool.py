@@ -1,9 +1,20 @@
-"""The block pool: fixed-size KV blocks, their reference counts, the LRU free queue and the hash map.
+"""The block pool: fixed-size KV blocks, their reference counts, the free blocks and the hash map.
 
 Owns which physical block holds what. A block is either in use (ref_cnt >= 1, held by one or more
-requests' block tables) or free (ref_cnt == 0, in the free queue). A free block may still carry a
-hash: its KV stays reusable until the block is handed out again, at which point the hash is dropped
-from the map (lazy eviction). The queue is ordered by eviction priority, front first.
+requests' block tables) or free (ref_cnt == 0). A free block may still carry a hash: its KV stays
+reusable until the block is handed out again, at which point the hash is dropped from the map (lazy
+eviction).
+
+Free blocks are handed out in an order that keeps the set of blocks ever written (on the CPU, the
+resident part of a lazily mapped cache) close to what is in use plus what the prefix cache keeps:
+
+1. reusable blocks: written before, holding no cached prefix; the most recently freed first;
+2. untouched blocks: never written (or given back to the OS since), lowest id first;
+3. cached blocks: free but holding a published prefix, least recently freed first (LRU eviction).
+
+Without (2) before (3) a long-running server would walk the whole pool; without (1) before (2) every
+new block would be fresh memory. `max_cached_free_blocks` bounds (3): beyond it the oldest cached
+block loses its hash and becomes reusable, so the prefix cache's share of memory is bounded too.
 
 Block 0 is reserved as the null block: it is never handed out, so the execution layer can point
 padding rows (CUDA graph padding, unused block-table entries) at it. Usable blocks are 1..num_blocks-1.
@@ -11,6 +22,7 @@ padding rows (CUDA graph padding, unused block-table entries) at it. Usable bloc
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 from pagoda.kv.hashing import BlockHash
@@ -103,14 +115,19 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, max_cached_free_blocks: int | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        if max_cached_free_blocks is not None and max_cached_free_blocks < 0:
+            raise ValueError(f"max_cached_free_blocks must be >= 0 (or None), got {max_cached_free_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.max_cached_free_blocks = max_cached_free_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
-        self.free_block_queue = FreeBlockQueue(self.blocks[1:])
+        self._reusable: list[KVCacheBlock] = []  # a stack: the top was freed last
+        self._untouched: list[int] = list(range(1, num_blocks))  # a heap of block ids (sorted is one)
+        self.cached_free = FreeBlockQueue(())
         # One block per hash: a second block computed with the same content is simply not cached.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
@@ -119,10 +136,23 @@ class BlockPool:
         return self.num_blocks - 1
 
     def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
+        return len(self._reusable) + len(self._untouched) + self.cached_free.num_free_blocks
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks written since start or since their memory was last given back."""
+        return self.num_usable_blocks - len(self._untouched)
 
     def get_usage(self) -> float:
-        return (self.num_usable_blocks - self.free_block_queue.num_free_blocks) / self.num_usable_blocks
+        return (self.num_usable_blocks - self.get_num_free_blocks()) / self.num_usable_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """Every free block, in the order they would be handed out. O(n): for tests and debugging."""
+        return (
+            [b.block_id for b in reversed(self._reusable)]
+            + sorted(self._untouched)
+            + [b.block_id for b in self.cached_free.get_all_free_blocks()]
+        )
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -145,39 +175,78 @@ class BlockPool:
             table[h] = block
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Take n blocks from the front of the free queue, evicting any hash they still carry."""
-        blocks = self.free_block_queue.popleft_n(n)
-        table = self.cached_block_hash_to_block
-        for block in blocks:
-            if block.block_hash is not None:
-                del table[block.block_hash]
-                block.block_hash = None
+        """Take n free blocks (reusable, then untouched, then cached: see the module docstring)."""
+        if n > self.get_num_free_blocks():
+            raise ValueError(f"asked for {n} blocks, {self.get_num_free_blocks()} free")
+        reusable = self._reusable
+        k = min(n, len(reusable))
+        out = reusable[len(reusable) - k:]
+        out.reverse()
+        del reusable[len(reusable) - k:]
+        if len(out) < n:
+            untouched, blocks = self._untouched, self.blocks
+            for _ in range(min(n - len(out), len(untouched))):
+                out.append(blocks[heapq.heappop(untouched)])
+        if len(out) < n:
+            evicted = self.cached_free.popleft_n(n - len(out))
+            for block in evicted:
+                self._drop_hash(block)
+            out.extend(evicted)
+        for block in out:
             block.ref_cnt = 1
-        return blocks
+        return out
+
+    def _drop_hash(self, block: KVCacheBlock) -> None:
+        del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
-        queue = self.free_block_queue
+        """Take a reference on cache-hit blocks, pulling free ones out of the cached queue."""
+        queue = self.cached_free
         for block in blocks:
             if block.ref_cnt == 0:
                 queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each; blocks reaching 0 join the back of the queue in this order."""
-        queue = self.free_block_queue
+        """Drop one reference from each; blocks reaching 0 become free in this order (see the docstring)."""
+        queue, reusable = self.cached_free, self._reusable
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                queue.append(block)
+                if block.block_hash is None:
+                    reusable.append(block)
+                else:
+                    queue.append(block)
+        cap = self.max_cached_free_blocks
+        if cap is not None and queue.num_free_blocks > cap:
+            for block in queue.popleft_n(queue.num_free_blocks - cap):
+                self._drop_hash(block)
+                reusable.append(block)
+
+    def release_reusable(self, n: int) -> list[int]:
+        """Move up to n reusable blocks, the longest free first, to the untouched ones, and return
+        their ids: the caller gives their memory back to the OS, so they count as fresh again."""
+        reusable = self._reusable
+        k = min(n, len(reusable))
+        released = [b.block_id for b in reusable[:k]]
+        del reusable[:k]
+        for block_id in released:
+            heapq.heappush(self._untouched, block_id)
+        return released
+
+    @property
+    def num_reusable_blocks(self) -> int:
+        return len(self._reusable)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Refused (False) while any block is in use: its request may still publish."""
-        if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
-        for block in self.cached_block_hash_to_block.values():
+        for block in self.cached_free.popleft_n(self.cached_free.num_free_blocks):
             block.block_hash = None
+            self._reusable.append(block)
         self.cached_block_hash_to_block.clear()
         return True

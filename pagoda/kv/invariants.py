@@ -11,9 +11,14 @@ from pagoda.kv.manager import KVCacheManager
 def check_kv_invariants(kv: KVCacheManager) -> None:
     """Raise AssertionError unless every block is in exactly one consistent place."""
     pool = kv.block_pool
-    free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    free = pool.free_block_ids()
     free_set = set(free)
-    assert len(free) == len(free_set) == pool.get_num_free_blocks(), "free queue corrupt"
+    assert len(free) == len(free_set) == pool.get_num_free_blocks(), "free lists corrupt"
+    cached_free = [b for b in pool.cached_free.get_all_free_blocks()]
+    assert all(b.block_hash is not None for b in cached_free), "a block without a hash among the cached free"
+    cap = pool.max_cached_free_blocks
+    assert cap is None or len(cached_free) <= cap, "more cached free blocks than the cap"
+    cached_ids = {b.block_id for b in cached_free}
     assert NULL_BLOCK_ID not in free_set, "null block in the free queue"
     null = pool.null_block
     assert null.ref_cnt == 0 and null.block_hash is None
@@ -32,6 +37,8 @@ def check_kv_invariants(kv: KVCacheManager) -> None:
         assert block.ref_cnt >= 0, f"negative ref count: {block}"
         assert block.ref_cnt == refs[block.block_id], f"ref count != table references: {block}"
         assert (block.ref_cnt == 0) == (block.block_id in free_set), f"free xor used broken: {block}"
+        if block.ref_cnt == 0 and block.block_id not in cached_ids:
+            assert block.block_hash is None, f"a hashed free block outside the cached queue: {block}"
         if block.ref_cnt > 1:
             # Blocks are only shared through prefix-cache hits.
             assert block.block_hash is not None, f"shared block without a hash: {block}"

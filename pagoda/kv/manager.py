@@ -51,13 +51,14 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         hasher: BlockHasher = hash_block_tokens,
+        max_cached_free_blocks: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = hasher
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, max_cached_free_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Kept beside req_to_blocks so the scheduler can hand the table out without rebuilding it.
         self.req_to_block_ids: dict[str, list[int]] = {}

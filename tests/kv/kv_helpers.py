@@ -31,7 +31,7 @@ def compute(kv: KVCacheManager, request: Request, num_new: int) -> None:
 
 
 def free_ids(kv: KVCacheManager) -> list[int]:
-    return [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+    return kv.block_pool.free_block_ids()
 
 
 def ref_counts(kv: KVCacheManager) -> dict[int, int]:

@@ -60,12 +60,13 @@ def test_b2_hit_after_finish_takes_blocks_out_of_free_queue():
     r1 = make_request("r1", list(range(10)))
     admit(kv, r1)
     kv.free(r1)
-    assert free_ids(kv) == [4, 5, 6, 7, 8, 9, 3, 2, 1]
+    # The partial tail holds no cached prefix: it is handed out before never-used blocks.
+    assert free_ids(kv) == [3, 4, 5, 6, 7, 8, 9, 2, 1]
     r2 = make_request("r2", list(range(8)) + [100, 101])
-    assert admit(kv, r2) == [4]
-    assert kv.get_block_ids("r2") == [1, 2, 4]
-    assert ref_counts(kv) == {1: 1, 2: 1, 4: 1}
-    assert free_ids(kv) == [5, 6, 7, 8, 9, 3]
+    assert admit(kv, r2) == [3]
+    assert kv.get_block_ids("r2") == [1, 2, 3]
+    assert ref_counts(kv) == {1: 1, 2: 1, 3: 1}
+    assert free_ids(kv) == [4, 5, 6, 7, 8, 9]
 
 
 def test_b3_free_order_is_eviction_order():
@@ -77,11 +78,12 @@ def test_b3_free_order_is_eviction_order():
     assert free_ids(kv) == [5, 6, 7, 8, 9, 10]
     kv.free(r1)
     # Only r1's tail reaches 0; the shared prefix is still held by r2.
-    assert free_ids(kv) == [5, 6, 7, 8, 9, 10, 3]
+    assert free_ids(kv) == [3, 5, 6, 7, 8, 9, 10]
     assert ref_counts(kv) == {1: 1, 2: 1, 4: 1}
     kv.free(r2)
-    # Never-used blocks, then tails, then the shared prefix freed in reverse (1 is evicted last).
-    assert free_ids(kv) == [5, 6, 7, 8, 9, 10, 3, 4, 2, 1]
+    # Tails (no cached prefix), the last freed first; then never-used blocks; then the cached
+    # shared prefix, freed in reverse (1 is evicted last).
+    assert free_ids(kv) == [4, 3, 5, 6, 7, 8, 9, 10, 2, 1]
     assert ref_counts(kv) == {}
     assert kv.req_to_blocks == {} and kv.req_to_block_ids == {} and kv.num_cached_blocks == {}
 
@@ -244,7 +246,8 @@ def test_duplicate_content_is_cached_once():
     assert hashes(kv) == {1: a.block_hashes[0], 2: a.block_hashes[1]}
     kv.free(a)
     kv.free(b)
-    assert free_ids(kv) == [7, 8, 9, 3, 2, 1, 6, 5, 4]
+    # b's private copies and a's tail hold nothing reusable: handed out first (b's freed last).
+    assert free_ids(kv) == [4, 5, 6, 3, 7, 8, 9, 2, 1]
     # The published copies still serve hits.
     blocks, num_hit = kv.get_computed_blocks(make_request("c", list(range(9))))
     assert [blk.block_id for blk in blocks] == [1, 2] and num_hit == 8

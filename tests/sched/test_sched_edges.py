@@ -39,7 +39,7 @@ def test_c1_fully_cached_prompt_not_a_block_multiple_computes_one_token():
     out, changed = step(sched, token=9)
     s = out.scheduled[0]
     assert (s.num_computed_tokens, s.num_new_tokens, s.samples) == (8, 1, True)
-    assert (s.block_ids, s.new_block_ids) == ([1, 2, 4], [4])
+    assert (s.block_ids, s.new_block_ids) == ([1, 2, 3], [3])  # a's partial tail is reused first
     assert b.num_cached_tokens == 8 and b.output_token_ids == [9]
 
 

@@ -35,7 +35,8 @@ def test_a6_fcfs_preempts_last_admitted_and_resumes_from_its_cached_blocks():
     assert out.preempted_request_ids == ["r3"]
     # No admission in a step that preempted, although r4 would fit: r1 finished (max_tokens=3).
     assert r4.status is RequestStatus.WAITING
-    assert [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()] == [5, 7, 2, 1]
+    # r1's partial tail (7) first, then cached blocks by age: r3's first block (5), r1's prefix.
+    assert kv.block_pool.free_block_ids() == [7, 5, 2, 1]
     assert (r3.status, r3.num_computed_tokens, r3.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
     assert r3.output_token_ids == [11, 12] and r3.num_tokens == 9  # keeps every token
     assert [r.request_id for r in sched.waiting] == ["r3", "r4"]  # back at the front
@@ -130,7 +131,7 @@ def test_c3_resume_recomputes_only_what_the_cache_lookup_misses():
     assert split(out) == [("r1", 1)] and out.preempted_request_ids == ["r2"]
     assert r2.num_tokens == 9 and r2.num_computed_tokens == 0
     assert r1.is_finished()
-    free = [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+    free = kv.block_pool.free_block_ids()
     assert free == [4, 2, 5, 3, 1]
 
     out, _ = step(sched)
@@ -193,7 +194,8 @@ def test_a6_fcfs_two_victims_in_one_step_in_admission_order():
     sched, kv, out, (r1, r2, r3) = _two_victims_setup()
     # Victims are taken from the back (r3, then r2) until r1's chunk of 7 fits.
     assert out.preempted_request_ids == ["r3", "r2"]
-    assert split(out) == [("r1", 7)] and out.scheduled[0].new_block_ids == [5, 4]
+    # Their blocks held no computed full block: reusable, r2's (freed last) first.
+    assert split(out) == [("r1", 7)] and out.scheduled[0].new_block_ids == [4, 5]
     assert out.num_scheduled_tokens == {"r1": 7} and out.total_num_scheduled_tokens == 7
     # Both go back to the front, in their admission order.
     assert [r.request_id for r in sched.waiting] == ["r2", "r3"]
@@ -201,16 +203,16 @@ def test_a6_fcfs_two_victims_in_one_step_in_admission_order():
         assert (r.status, r.num_computed_tokens, r.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
         assert r.output_token_ids == [11] and r.num_tokens == 4
     assert r1.is_finished() and r1.output_token_ids == [12]
-    # r1 freed tail first: its partial block 4, then 5, 3, 2, 1 (1 is evicted last).
-    assert [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()] == [4, 5, 3, 2, 1]
+    # r1's partial tail (5) is reusable; its full blocks are cached, freed tail first (1 is evicted last).
+    assert kv.block_pool.free_block_ids() == [5, 4, 3, 2, 1]
     assert sched.stats().num_preemptions == 2
     check_kv_invariants(kv)
 
     out, _ = step(sched, token=13)
     assert split(out) == [("r2", 4), ("r3", 4)]  # 3 prompt + 1 generated each, nothing cached
     assert [(s.num_computed_tokens, s.block_ids, s.is_new) for s in out.scheduled] == [
-        (0, [4], True),
         (0, [5], True),
+        (0, [4], True),
     ]
     assert r2.output_token_ids == r3.output_token_ids == [11, 13]
     check_kv_invariants(kv)
@@ -220,13 +222,13 @@ def test_a1_abort_of_a_preempted_request_leaves_every_queue():
     sched, kv, out, (r1, r2, r3) = _two_victims_setup()
     assert out.preempted_request_ids == ["r3", "r2"]
     assert (sched.num_running, sched.num_waiting, sched.get_num_unfinished_requests()) == (0, 2, 2)
-    free_before = [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+    free_before = kv.block_pool.free_block_ids()
     sched.abort_requests("r3")
     assert (r3.status, r3.finish_reason) == (RequestStatus.FINISHED_ABORTED, "abort")
     assert [r.request_id for r in sched.waiting] == ["r2"] and set(sched.requests) == {"r2"}
     assert (sched.num_running, sched.num_waiting, sched.get_num_unfinished_requests()) == (0, 1, 1)
     # It held no blocks while preempted: aborting it frees nothing.
-    assert [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()] == free_before
+    assert kv.block_pool.free_block_ids() == free_before
     out, _ = step(sched, token=13)
     assert split(out) == [("r2", 4)] and out.finished_request_ids == ["r1", "r3"]
     assert r3.output_token_ids == [11]
@@ -257,7 +259,7 @@ def test_a6_priority_self_victim_and_requeue_position():
     # Back under its own key: behind the more urgent v, ahead of w (same priority, later arrival).
     # v would fit in x's freed blocks but is not admitted in a step that preempted.
     assert [r.request_id for r in sched.waiting] == ["v", "x", "w"]
-    assert [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()] == [2, 1]
+    assert kv.block_pool.free_block_ids() == [2, 1]
     check_kv_invariants(kv)
 
     sched.abort_requests("x")  # a preempted request leaves the priority queue too
