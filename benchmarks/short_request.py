@@ -1,25 +1,32 @@
-"""A short request through an OpenAI-compatible server: time to first token and end to end.
+"""One request at a time through an OpenAI-compatible server: time to first token, end to end, and
+the decode rate of a single stream.
 
-Streams one completion of "Hello, my name is" (16 tokens, greedy) RUNS times after a warm-up and
-prints the medians. Any server works (`pagoda serve`, vLLM's, llama.cpp's):
+By default streams a completion of "Hello, my name is" (16 tokens, greedy) RUNS times after a
+warm-up and prints the medians. `--prompt-tokens N` sends N random token ids instead (seeded, the
+same ids for every server), which with `--max-tokens 256` is the single-stream workload. EOS is
+ignored so every server generates the same count; the decode rate is (max_tokens - 1) / (end -
+first token). Any server works (`pagoda serve`, vLLM's, llama.cpp's):
 
     python benchmarks/short_request.py --url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct
+    python benchmarks/short_request.py --prompt-tokens 128 --max-tokens 256 --runs 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
 import httpx
 
 
-def measure(url: str, model: str, runs: int, max_tokens: int) -> dict[str, float]:
-    body = {"model": model, "prompt": "Hello, my name is", "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}
-    ttfts, ends = [], []
+def measure(url: str, model: str, runs: int, max_tokens: int, prompt: str | list[int] = "Hello, my name is"
+            ) -> dict[str, float]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    ttfts, ends, rates = [], [], []
     with httpx.Client(timeout=60) as client:
         for i in range(runs + 1):  # the first is a warm-up
             start = time.perf_counter()
@@ -35,7 +42,11 @@ def measure(url: str, model: str, runs: int, max_tokens: int) -> dict[str, float
             if i:
                 ttfts.append((first - start) * 1e3)
                 ends.append((end - start) * 1e3)
-    return {"ttft_ms": statistics.median(ttfts), "e2e_ms": statistics.median(ends), "runs": runs}
+                if max_tokens > 1:
+                    rates.append((max_tokens - 1) / (end - first))
+    return {"ttft_ms": statistics.median(ttfts), "e2e_ms": statistics.median(ends),
+            "decode_tok_s": statistics.median(rates) if rates else None, "runs": runs,
+            "prompt_tokens": len(prompt) if isinstance(prompt, list) else None, "max_tokens": max_tokens}
 
 
 def main() -> None:
@@ -44,8 +55,14 @@ def main() -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, help="send this many random token ids instead of the text")
+    p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args()
-    print(json.dumps(measure(ns.url, ns.model, ns.runs, ns.max_tokens)))
+    prompt: str | list[int] = "Hello, my name is"
+    if ns.prompt_tokens:
+        rng = random.Random(ns.seed)
+        prompt = [rng.randrange(100, 49000) for _ in range(ns.prompt_tokens)]
+    print(json.dumps(measure(ns.url, ns.model, ns.runs, ns.max_tokens, prompt)))
 
 
 if __name__ == "__main__":

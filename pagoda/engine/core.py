@@ -24,6 +24,7 @@ from pagoda.contracts.step import SchedulerOutput
 from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.cpu_kv_sizing import cpu_kv_budget, max_cached_free_blocks
+from pagoda.exec.cpu_memory import trim_heap
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
 from pagoda.exec.structured_output import StructuredOutputs
@@ -292,11 +293,16 @@ class EngineCore:
 
     def trim_kv_memory(self, now: float | None = None) -> int:
         """Give back the memory of free KV blocks beyond the recent peak in use (CPU; a no-op until a
-        trim window has passed). Returns the bytes released. Called between steps and when idle."""
+        trim window has passed), and then the heap's free memory, which a burst's activations left.
+        Returns the KV bytes released. Called between steps and when idle."""
         if self.kv_trimmer is None:
             return 0
         ids = self.kv_trimmer.blocks_to_release(time.monotonic() if now is None else now)
-        return self.kv_cache.release_blocks(ids) if ids else 0
+        if not ids:
+            return 0
+        released = self.kv_cache.release_blocks(ids)
+        trim_heap()
+        return released
 
     def pop_iteration_tokens(self) -> list[int]:
         tokens, self.iteration_tokens = self.iteration_tokens, []

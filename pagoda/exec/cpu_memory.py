@@ -81,6 +81,20 @@ def _libc_madvise():
     return fn
 
 
+def trim_heap() -> bool:
+    """Return the free memory of malloc's heaps to the OS (glibc's malloc_trim), which
+    `keep_freed_memory` otherwise keeps for the next step: for when a burst is over. Returns whether
+    anything was released (False off glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    return malloc_trim(0) == 1
+
+
 def keep_freed_memory() -> bool:
     """Make glibc keep freed blocks (up to its 32 MiB mapping ceiling) in the heap for reuse instead
     of unmapping or trimming them, so each step's activations land on pages already resident.
