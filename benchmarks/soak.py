@@ -92,16 +92,24 @@ async def traffic(url: str, model: str, rate: float, duration: float, seed: int,
     rng = random.Random(seed)
     counts = {k: 0 for k in ("completed", "cancelled", "errors", "malformed_refused", "malformed_not_refused")}
     samples: list[tuple[float, int, int]] = []  # (seconds, tree RSS, API process RSS)
+    load: list[tuple[float, float, float, float]] = []  # (seconds, running, waiting, KV usage)
     start = time.monotonic()
 
-    async def sampler() -> None:
+    async def sampler(client: httpx.AsyncClient) -> None:
         while True:
-            samples.append((time.monotonic() - start, *tree_rss_bytes(root)))
+            now = time.monotonic() - start
+            samples.append((now, *tree_rss_bytes(root)))
+            try:
+                gauges = read_gauges((await client.get(f"{url}/metrics")).text)
+                load.append((now, gauges.get("num_requests_running", -1), gauges.get("num_requests_waiting", -1),
+                             gauges.get("kv_cache_usage_perc", -1)))
+            except httpx.HTTPError:
+                pass
             await asyncio.sleep(sample_s)
 
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        sampling = asyncio.create_task(sampler())
+        sampling = asyncio.create_task(sampler(client))
         tasks = []
         next_at = 0.0
         while next_at < duration:
@@ -114,9 +122,20 @@ async def traffic(url: str, model: str, rate: float, duration: float, seed: int,
         samples.append((traffic_end, *tree_rss_bytes(root)))
         metrics = (await client.get(f"{url}/metrics")).text
         health = (await client.get(f"{url}/health")).status_code
-    usage = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("pagoda:kv_cache_usage_perc"))
-    return {"counts": counts, "samples": samples, "kv_usage_end": usage, "health_end": health,
+    usage = read_gauges(metrics)["kv_cache_usage_perc"]
+    return {"counts": counts, "samples": samples, "load": load, "kv_usage_end": usage, "health_end": health,
             "elapsed_s": traffic_end}
+
+
+def read_gauges(metrics: str) -> dict[str, float]:
+    """The engine gauges of a /metrics body, by name without the `pagoda:` prefix."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("pagoda:") and "{" in line:
+            name = line[len("pagoda:"):line.index("{")]
+            if name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+                out[name] = float(line.split()[-1])
+    return out
 
 
 def rss_at(samples: list[tuple[float, int, int]], t: float) -> int:
@@ -133,6 +152,9 @@ def summarize(result: dict, duration: float) -> dict:
         **{f"rss_mib_at_{int(t)}s": round(rss_at(samples, t) / mib) for t in (duration / 3, duration * 2 / 3, duration)},
         "peak_rss_mib": round(max(r for _, r, _ in samples) / mib),
         "peak_api_rss_mib": round(max(a for _, _, a in samples) / mib),
+        "max_running": max((r for _, r, _, _ in result["load"]), default=None),
+        "max_waiting": max((w for _, _, w, _ in result["load"]), default=None),
+        "peak_kv_usage": max((u for _, _, _, u in result["load"]), default=None),
         "steady_rss_mib": round(statistics.median(tail) / mib) if tail else None,  # median of the last third
         "kv_usage_end": result["kv_usage_end"],
         "health_end": result["health_end"],
@@ -183,7 +205,7 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     if ns.json:
         Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.json).write_text(json.dumps({**summary, "samples": result["samples"]}, indent=1))
+        Path(ns.json).write_text(json.dumps({**summary, "samples": result["samples"], "load": result["load"]}, indent=1))
 
 
 if __name__ == "__main__":

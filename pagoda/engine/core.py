@@ -24,7 +24,7 @@ from pagoda.contracts.step import SchedulerOutput
 from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.cpu_kv_sizing import cpu_kv_budget, max_cached_free_blocks
-from pagoda.exec.cpu_memory import trim_heap
+from pagoda.exec.cpu_memory import heap_free_bytes, trim_heap
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
 from pagoda.exec.structured_output import StructuredOutputs
@@ -36,6 +36,9 @@ from pagoda.sched.request import Request, RequestStatus
 from pagoda.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+# Free heap memory kept for the next steps' activations (faulting it in again costs ~10 us a page).
+_HEAP_FREE_KEPT = 256 * 1024**2
 
 
 def pick_device(name: str) -> torch.device:
@@ -61,6 +64,7 @@ class EngineCore:
             max_cached_free_blocks=max_cached_free_blocks(self.kv_cache.num_blocks) if on_cpu else None,
         )
         self.kv_trimmer = WorkingSetTrimmer(self.kv_manager.block_pool, now=time.monotonic()) if on_cpu else None
+        self._next_heap_check = 0.0
         # Without chunking a prompt must fit one step.
         budget = args.max_num_batched_tokens
         if not args.enable_chunked_prefill:
@@ -293,15 +297,20 @@ class EngineCore:
 
     def trim_kv_memory(self, now: float | None = None) -> int:
         """Give back the memory of free KV blocks beyond the recent peak in use (CPU; a no-op until a
-        trim window has passed), and then the heap's free memory, which a burst's activations left.
-        Returns the KV bytes released. Called between steps and when idle."""
+        trim window has passed) and, at most once a window, the heap's free memory when it exceeds
+        `_HEAP_FREE_KEPT`. Returns the KV bytes released. Called between steps and when idle."""
         if self.kv_trimmer is None:
             return 0
-        ids = self.kv_trimmer.blocks_to_release(time.monotonic() if now is None else now)
-        if not ids:
-            return 0
-        released = self.kv_cache.release_blocks(ids)
-        trim_heap()
+        now = time.monotonic() if now is None else now
+        ids = self.kv_trimmer.blocks_to_release(now)
+        released = self.kv_cache.release_blocks(ids) if ids else 0
+        if now >= self._next_heap_check:
+            self._next_heap_check = now + self.kv_trimmer.window_s
+            # Steps of ever-different shapes fragment the heap, which malloc (kept from trimming,
+            # cpu_memory.keep_freed_memory) would otherwise let grow for as long as the server runs.
+            free = heap_free_bytes()
+            if ids or (free is not None and free > _HEAP_FREE_KEPT):
+                trim_heap()
         return released
 
     def pop_iteration_tokens(self) -> list[int]:

@@ -11,6 +11,13 @@ bfloat16 is packed too where the CPU has native bf16 instructions (AVX512-BF16 o
 1.6-1.9x as fast for one row, 1.14-1.26x for 64 rows, 1.04x for 512, with bitwise identical results
 (both are oneDNN's bf16 GEMM accumulating in float32; docs/benchmarks.md). Without native bf16
 oneDNN emulates it, so there bf16 keeps F.linear. PAGODA_NO_ONEDNN=1 turns every packing off.
+
+oneDNN builds (JIT-compiles and caches) one primitive per input shape. A server's steps come in
+every row count, and a primitive per count made memory grow for as long as it ran: 800 row counts
+through SmolLM2's four projections left ~550 MB of cached primitives and ~1.8 GB of fragmented free
+heap (bf16, AVX512-BF16). So rows are padded up to a few dozen counts (`bucket_rows`: exact up to
+16, then 8 steps per doubling, at most 12.5 % padding), and the primitives a server ever builds are
+bounded.
 """
 
 from __future__ import annotations
@@ -49,6 +56,31 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
 
 
+def bucket_rows(m: int) -> int:
+    """The row count a packed linear computes for m rows: m up to 16, else m rounded up to a multiple
+    of an eighth of the power of two below it (17 -> 18, 100 -> 104, 1000 -> 1024, 2048 -> 2048)."""
+    if m <= 16:
+        return m
+    step = 1 << (m.bit_length() - 4)
+    return -(-m // step) * step
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
+    m = x.shape[0]
+    rows = bucket_rows(m)
+    if rows != m:
+        # Zero rows: no NaNs or denormals to compute on; their outputs are dropped.
+        padded = x.new_zeros((rows, x.shape[1]))
+        padded[:m] = x
+        x = padded
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if rows != m:
+        out = out[:m]
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
 class PackedLMHead:
     """Logits through oneDNN; a packed copy of the head weight (which the embedding still uses)."""
 
@@ -56,7 +88,7 @@ class PackedLMHead:
         self.packed = _pack(weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self.packed, None, "none", [], "")
+        return _packed_linear(hidden, self.packed, None)
 
 
 class PackedLinear(nn.Module):
@@ -69,7 +101,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return _packed_linear(x, self.packed, self.bias)
 
 
 def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -81,6 +81,30 @@ def _libc_madvise():
     return fn
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_bytes() -> tuple[int, int] | None:
+    """(bytes in use, free bytes) of malloc's heaps (glibc's mallinfo2), None where unknown."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):  # not glibc, or glibc < 2.33
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return int(info.uordblks), int(info.fordblks)
+
+
+def heap_free_bytes() -> int | None:
+    """Free bytes held in malloc's heaps, None where unknown."""
+    heap = heap_bytes()
+    return None if heap is None else heap[1]
+
+
 def trim_heap() -> bool:
     """Return the free memory of malloc's heaps to the OS (glibc's malloc_trim), which
     `keep_freed_memory` otherwise keeps for the next step: for when a burst is over. Returns whether
