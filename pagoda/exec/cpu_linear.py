@@ -79,10 +79,13 @@ def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor]
     if not _onednn_usable(weight, device):
         return model.compute_logits
     try:
-        return PackedLMHead(weight)
+        head = PackedLMHead(weight)
     except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
         logger.warning("packed LM head unavailable (%s); using F.linear", exc)
         return model.compute_logits
+    # Under tensor parallelism the head holds this rank's slice of the vocabulary: gather the rest.
+    gather = getattr(model, "gather_logits", None)
+    return head if gather is None else lambda hidden: gather(head(hidden))
 
 
 def pack_linears(model: nn.Module, device: torch.device) -> int:

@@ -1,0 +1,63 @@
+"""Bringing the ranks of a distributed executor together: the torch.distributed process group
+(gloo on the CPU, NCCL on CUDA) with a bounded rendezvous, and the TP group the model layers use.
+
+The rendezvous is a TCPStore hosted by rank 0 at `init_method` (tcp://host:port). torch waits for
+all ranks up to `timeout_s` and then raises a long, internal-looking error; here that becomes one
+`DistributedInitError` line naming the rank, the world and the executor backend, because a start
+that hangs or fails obscurely is the commonest report about multi-process engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+
+from pagoda.errors import DistributedInitError
+from pagoda.model.tensor_parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INIT_TIMEOUT_S = 120.0
+
+
+def init_timeout_s() -> float:
+    """The rendezvous limit: PAGODA_DIST_INIT_TIMEOUT_S, default 120 s (it covers the slowest
+    rank's start: imports, not weights, which load after everyone has met)."""
+    raw = os.environ.get("PAGODA_DIST_INIT_TIMEOUT_S")
+    try:
+        return float(raw) if raw else DEFAULT_INIT_TIMEOUT_S
+    except ValueError:
+        raise DistributedInitError(f"PAGODA_DIST_INIT_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, executor_backend: str, timeout_s: float,
+                     device: torch.device) -> TPGroup:
+    """Join the process group (all ranks form one TP group for now); raise DistributedInitError when
+    the others do not arrive within `timeout_s`."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    where = f"rank {rank} of {world_size} ({executor_backend} backend, torch.distributed {backend} at {init_method})"
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        # The store-based barrier in init_process_group only proves each rank reached the store; a
+        # first collective proves the group's connections work too, while still inside the limit.
+        dist.barrier()
+    except Exception as exc:  # DistStoreError, RuntimeError (connect refused, timed out), ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DistributedInitError(
+            f"{where}: the ranks did not meet within {timeout_s:g} s ({type(exc).__name__}: {first})"
+        ) from None
+    logger.info("%s: joined", where)
+    return TPGroup(rank=rank, size=world_size, group=None)
+
+
+def close_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
