@@ -16,7 +16,7 @@ from pagoda.model.attention import AttentionContext
 from pagoda.model.errors import ModelLoadError
 from pagoda.model.layers import RMSNorm, RotaryEmbedding, RotaryStep, silu_and_mul
 from pagoda.model.tensor_parallel import (
-    SINGLE, TPGroup, VocabParallelEmbedding, check_tp_config, local_kv_heads, shard_tensor, vocab_rows,
+    SINGLE, TPGroup, VocabParallelEmbedding, check_tp_config, shard_tensor, split_for, vocab_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.tp = tp
-        self.num_heads = config.num_attention_heads // tp.size
-        self.num_kv_heads = local_kv_heads(config.num_key_value_heads, tp)
+        split = split_for(config, tp)
+        self.num_heads, self.num_kv_heads = split.q_count, split.kv_count
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -96,7 +96,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.tp = tp
         bias = getattr(config, "mlp_bias", False)
-        inter = config.intermediate_size // tp.size
+        inter = split_for(config, tp).inter_count
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
 
@@ -202,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         if merged == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = self.config.intermediate_size // self.tp.size
+        inter = split_for(self.config, self.tp).inter_count
         return [inter, inter]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:

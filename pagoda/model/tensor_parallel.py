@@ -2,10 +2,12 @@
 the layers call, and the vocabulary-parallel embedding.
 
 A rank of a TP group of `size` holds:
-- attention: its `num_heads / size` query heads and the KV heads they read (a contiguous run of
-  `num_kv_heads / size` heads, or, with fewer KV heads than ranks, one head replicated on
-  `size / num_kv_heads` ranks); q/k/v rows are column-parallel, o_proj columns row-parallel;
-- MLP: `intermediate_size / size` rows of gate and up (column-parallel), the same columns of down;
+- attention: a contiguous run of KV heads and the query heads that read them (`split_for`: as even
+  as the KV heads allow, so 3 KV heads over 2 ranks give 2 and 1; with fewer KV heads than ranks,
+  one head replicated on `size / num_kv_heads` ranks); q/k/v rows are column-parallel, o_proj
+  columns row-parallel;
+- MLP: about `intermediate_size / size` rows of gate and up (column-parallel), the same columns of
+  down;
 - the embedding and LM head: `ceil(vocab / size)` rows of the vocabulary (padded with zero rows).
 Row-parallel outputs are summed over the group (all-reduce); the LM head's partial logits are
 gathered, so every rank holds the whole logits row and samples the same token. Norms and rotary
@@ -57,35 +59,49 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
+@dataclass(frozen=True)
+class Split:
+    """The rank's share of the heads and of the MLP: [start, start + count) of each."""
+
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+    inter_start: int
+    inter_count: int
+
+
+def split_for(config, tp: TPGroup) -> Split:
+    """KV heads are dealt out in contiguous runs, as evenly as they go (SmolLM2's 3 over 2 ranks:
+    2 and 1), each with the query heads that read it; with fewer KV heads than ranks, each KV head
+    is replicated on tp / kv ranks, which split its query heads. The MLP splits as evenly as it goes."""
+    heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    r, n = tp.rank, tp.size
+    i0, i1 = r * inter // n, (r + 1) * inter // n
+    if kv >= n:
+        group = heads // kv
+        k0, k1 = r * kv // n, (r + 1) * kv // n
+        return Split(k0 * group, (k1 - k0) * group, k0, k1 - k0, i0, i1 - i0)
+    per = heads // n
+    return Split(r * per, per, r // (n // kv), 1, i0, i1 - i0)
+
+
 def check_tp_config(config, size: int) -> None:
-    """Raise ValueError, in one line, for a model that `size` ranks cannot split evenly."""
+    """Raise ValueError, in one line, for a model that `size` ranks cannot split."""
     if size == 1:
         return
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    if heads % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {heads} attention heads")
-    if kv % size and size % kv:
+    if kv < size and (size % kv or heads % size):
         raise ValueError(
-            f"tensor_parallel_size {size} and the model's {kv} KV heads: one must divide the other"
+            f"tensor_parallel_size {size} cannot split the model's {kv} KV heads and {heads} attention heads: "
+            f"use at most {kv} ranks, or a multiple of {kv} that divides {heads}"
         )
-    if config.intermediate_size % size:
-        raise ValueError(
-            f"tensor_parallel_size {size} does not divide the model's intermediate_size {config.intermediate_size}"
-        )
-
-
-def local_kv_heads(num_kv_heads: int, tp: TPGroup) -> int:
-    return max(1, num_kv_heads // tp.size)
-
-
-def first_kv_head(num_kv_heads: int, tp: TPGroup) -> int:
-    """The first KV head rank `tp.rank` holds (replicated ones: the head its query heads read)."""
-    if num_kv_heads >= tp.size:
-        return tp.rank * (num_kv_heads // tp.size)
-    return tp.rank // (tp.size // num_kv_heads)
+    if config.intermediate_size < size:
+        raise ValueError(f"tensor_parallel_size {size} exceeds the model's intermediate_size {config.intermediate_size}")
 
 
 def vocab_rows(vocab_size: int, tp: TPGroup) -> int:
+    """Rows of the vocabulary each rank holds: the last rank's share is padded with zero rows."""
     return -(-vocab_size // tp.size)
 
 
@@ -119,22 +135,20 @@ def shard_tensor(name: str, tensor: torch.Tensor, config, tp: TPGroup) -> torch.
         return tensor
     parts = name.rsplit(".", 2)
     module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    q_local = heads // tp.size * head_dim
-    inter = config.intermediate_size // tp.size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sp = split_for(config, tp)
     if module == "q_proj":
-        return _rows(tensor, tp.rank * q_local, q_local)
+        return _rows(tensor, sp.q_start * head_dim, sp.q_count * head_dim)
     if module in ("k_proj", "v_proj"):
-        n = local_kv_heads(kv, tp)
-        return _rows(tensor, first_kv_head(kv, tp) * head_dim, n * head_dim)
+        return _rows(tensor, sp.kv_start * head_dim, sp.kv_count * head_dim)
     if module in ("gate_proj", "up_proj"):
-        return _rows(tensor, tp.rank * inter, inter)
+        return _rows(tensor, sp.inter_start, sp.inter_count)
     if module in ("o_proj", "down_proj"):
         if leaf == "bias":  # added once, by rank 0
             return tensor if tp.rank == 0 else torch.zeros_like(tensor)
-        width = q_local if module == "o_proj" else inter
-        return tensor.narrow(1, tp.rank * width, width)
+        if module == "o_proj":
+            return tensor.narrow(1, sp.q_start * head_dim, sp.q_count * head_dim)
+        return tensor.narrow(1, sp.inter_start, sp.inter_count)
     if module in ("embed_tokens", "lm_head"):
         rows = vocab_rows(config.vocab_size, tp)
         start = tp.rank * rows
