@@ -166,3 +166,20 @@ def test_tp2_greedy_tokens_equal_tp1_under_chunking_caching_and_preemption(folde
         llm.engine.core.shutdown()
     assert preemptions > 0
     assert got == want
+
+
+@pytest.mark.slow
+def test_tp2_smollm2_greedy_tokens_equal_tp1(smollm2_fp32, smollm2_prompt_ids):
+    """SmolLM2's 9 heads and 3 KV heads split 6 + 3 and 2 + 1 over two ranks."""
+    from tests.conftest import make_engine
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in smollm2_prompt_ids]
+    kwargs = dict(dtype="float32", num_gpu_blocks_override=512)
+    want = [o.outputs[0].token_ids for o in make_engine(smollm2_fp32, **kwargs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(None, tensor_parallel_size=2, distributed_executor_backend="mp", **kwargs)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.core.shutdown()
+    assert got == want
