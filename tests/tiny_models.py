@@ -51,6 +51,8 @@ def save_tiny_model(arch: str, folder: Path, seed: int = 0, shard: bool = False,
     config = tiny_config(arch, max_position_embeddings)
     for key, value in overrides.items():
         setattr(config, key, value)
+    if "num_hidden_layers" in overrides and getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers  # one per layer
     config.initializer_range = 0.2
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": "100KB"} if shard else {}

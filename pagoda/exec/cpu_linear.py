@@ -76,7 +76,7 @@ def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor]
     """The fastest way to compute `model`'s logits on `device`: the packed head on CPU in fp32 (and
     bf16 on CPUs with native bf16), else the model's own compute_logits."""
     weight = model.lm_head_weight()
-    if not _onednn_usable(weight, device):
+    if weight is None or not _onednn_usable(weight, device):  # None: a pipeline stage without the head
         return model.compute_logits
     try:
         head = PackedLMHead(weight)

@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 
 from pagoda.errors import DistributedInitError
+from pagoda.model.pipeline import PPStage
 from pagoda.model.tensor_parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -34,9 +35,9 @@ def init_timeout_s() -> float:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, executor_backend: str, timeout_s: float,
-                     device: torch.device) -> TPGroup:
-    """Join the process group (all ranks form one TP group for now); raise DistributedInitError when
-    the others do not arrive within `timeout_s`."""
+                     device: torch.device, tp_size: int | None = None) -> tuple[TPGroup, PPStage]:
+    """Join the process group; raise DistributedInitError when the others do not arrive within
+    `timeout_s`. Ranks are laid out stage by stage: rank = stage * tp_size + TP rank."""
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -53,7 +54,17 @@ def init_distributed(rank: int, world_size: int, init_method: str, executor_back
             f"{where}: the ranks did not meet within {timeout_s:g} s ({type(exc).__name__}: {first})"
         ) from None
     logger.info("%s: joined", where)
-    return TPGroup(rank=rank, size=world_size, group=None)
+    tp_size = tp_size or world_size
+    stages = world_size // tp_size
+    group = None  # one stage: the TP group is the whole world
+    if stages > 1:
+        # Every rank creates every stage's group, in the same order (torch.distributed requires it).
+        for stage in range(stages):
+            g = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+            if stage == rank // tp_size:
+                group = g
+    tp = TPGroup(rank=rank % tp_size, size=tp_size, group=group)
+    return tp, PPStage(stage=rank // tp_size, size=stages, rank=rank, tp_size=tp_size)
 
 
 def close_distributed() -> None:

@@ -6,6 +6,7 @@ as a `ModelRunnerOutput`, whichever backend runs the ranks:
 - `uni`: today's `ModelRunner` in this process (one rank);
 - `mp`: one worker process per rank on this machine (`pagoda.exec.mp_executor`);
 - `ray`: workers as Ray actors (not built yet: refused with one line).
+Tensor and pipeline parallelism combine: rank = stage * tensor_parallel_size + TP rank.
 One scheduler and one KV block manager, in the engine core, serve all ranks: every rank holds its
 shard of every KV block under the same block ids, so the step is the same message for each.
 """
@@ -13,6 +14,7 @@ shard of every KV block under the same block ids, so the step is the same messag
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from typing import Protocol
 
@@ -21,6 +23,8 @@ import torch
 from pagoda.config import EXECUTOR_BACKENDS, EngineArgs
 from pagoda.contracts.step import SchedulerOutput
 from pagoda.exec.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -91,15 +95,17 @@ def check_parallel_config(tp: int, pp: int, backend: str, device: torch.device, 
         if importlib.util.find_spec("ray") is None:
             raise ValueError("distributed_executor_backend=ray needs Ray: pip install 'pagoda[ray]'")
         raise ValueError("distributed_executor_backend=ray is not implemented yet; use mp on one machine")
-    if pp > 1:
-        raise ValueError("pipeline_parallel_size > 1 is not implemented yet; use tensor_parallel_size")
-    if backend == "mp" and world > available_ranks(device):
-        what = "GPUs" if device.type == "cuda" else "CPU cores"
-        raise ValueError(f"{world} ranks need {world} {what}; this machine gives the engine {available_ranks(device)}")
+    if backend == "mp" and world > available_ranks(device) and config is None:  # said once
+        if device.type == "cuda":
+            raise ValueError(f"{world} ranks need {world} GPUs; this machine has {available_ranks(device)}")
+        # On the CPU more ranks than cores still run (one thread each), only slower: allowed, said.
+        logger.warning("%d ranks on %d CPU cores: the ranks will share cores", world, available_ranks(device))
     if config is not None:
         from pagoda.model.tensor_parallel import check_tp_config
 
         check_tp_config(config, tp)
+        if config.num_hidden_layers < pp:
+            raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {config.num_hidden_layers} layers")
 
 
 def make_multiproc_executor(args: EngineArgs, backend: str, num_blocks: int, max_model_len: int,
@@ -117,6 +123,6 @@ def make_multiproc_executor(args: EngineArgs, backend: str, num_blocks: int, max
         model=args.model, dtype=args.dtype, device=device.type, kv_cache_dtype=kv_cache_dtype,
         num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, seed=args.seed, rank=0,
-        world_size=world, init_method="", backend=backend, timeout_s=init_timeout_s(), parent_pid=0,
+        world_size=world, tensor_parallel_size=args.tensor_parallel_size, init_method="", backend=backend, timeout_s=init_timeout_s(), parent_pid=0,
     )
     return MultiprocExecutor(init, threads)

@@ -6,6 +6,10 @@ failure mode), the engine core's process keeps its own thread settings and never
 collective, and a rank's death is always the same event, an EOF on its socket. The price is one
 more local hop per step for rank 0's output, tens of microseconds beside a step's milliseconds.
 
+With pipeline parallelism a step goes out as two micro-batches (`split_step`), both written before
+either answer is read, so stage 1 computes the first while stage 0 computes the second; their
+outputs are merged back into the step's.
+
 Per step the step is encoded once (msgpack) and written to every rank's socket; every rank
 answers (rank 0 with the output, the others with None), so that a rank that failed is noticed at
 the step it failed in, not at the next collective that would wait for it forever. Waiting is on
@@ -14,6 +18,7 @@ the sockets, whose EOF is the death of their process: a killed worker fails the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -44,6 +49,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def split_step(step: SchedulerOutput) -> list[SchedulerOutput]:
+    """Two micro-batches of about equal tokens (requests are never split), for the pipeline; one
+    when there is a single request. Requests to forget go with the first."""
+    scheduled = step.scheduled
+    if len(scheduled) < 2:
+        return [step]
+    half, acc, cut = step.total_num_scheduled_tokens / 2, 0, 1
+    for i, s in enumerate(scheduled[:-1]):
+        acc += s.num_new_tokens
+        cut = i + 1
+        if acc >= half:
+            break
+    parts = []
+    for i, chunk in enumerate((scheduled[:cut], scheduled[cut:])):
+        counts = {s.request_id: s.num_new_tokens for s in chunk}
+        extra = {} if i == 0 else {"preempted_request_ids": [], "finished_request_ids": []}
+        parts.append(msgspec.structs.replace(step, scheduled=chunk, num_scheduled_tokens=counts,
+                                             total_num_scheduled_tokens=sum(counts.values()), **extra))
+    return parts
+
+
+def merge_into(out: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
+    """Add a micro-batch's output to the step's (every field is a dict by request id)."""
+    for f in dataclasses.fields(part):
+        value = getattr(part, f.name)
+        if isinstance(value, dict):
+            getattr(out, f.name).update(value)
+        elif value:
+            raise TypeError(f"ModelRunnerOutput.{f.name} is not keyed by request: cannot merge micro-batches")
+
+
 def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
     """Ask every worker to stop, then make sure: SIGKILL what is still alive after a grace period."""
     for conn in conns:
@@ -66,6 +102,8 @@ class MultiprocExecutor:
     def __init__(self, base: WorkerInit, threads_per_rank: int) -> None:
         world = base.world_size
         self.backend = base.backend
+        self.num_stages = world // base.tensor_parallel_size
+        self.answering_rank = world - base.tensor_parallel_size  # the last stage's first TP rank
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_rank), MKL_NUM_THREADS=str(threads_per_rank))
@@ -136,9 +174,15 @@ class MultiprocExecutor:
 
     # -- the Executor interface ---------------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        frame = b"E" + self._encode.encode(step)
-        self._send_all(frame)
-        return self._gather("out", deadline=None)[0]
+        parts = split_step(step) if self.num_stages > 1 else [step]
+        # All parts go out before any answer is read: each stage starts the next micro-batch as soon
+        # as it has handed the previous one on, so the stages compute side by side.
+        for part in parts:
+            self._send_all(b"E" + self._encode.encode(part))
+        out = ModelRunnerOutput()
+        for _ in parts:
+            merge_into(out, self._gather("out", deadline=None)[self.answering_rank])
+        return out
 
     def release(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -8,8 +8,8 @@ which may not start multiprocessing children of its own, hence a plain subproces
 Messages, driver -> worker: first a pickled `WorkerInit`; then frames of one kind byte and a msgpack
 payload: `E` + a `SchedulerOutput` (run it, answer), `R` + request ids (release, no answer), `S`
 (stop). Worker -> driver, pickled tuples: ("met",) once the ranks have met, ("ready",) once loaded,
-("out", ModelRunnerOutput | None) per step (rank 0 sends the output, the others None: every rank
-sampled the same tokens), ("error", one line) before exiting 1.
+("out", ModelRunnerOutput | None) per step (the last pipeline stage's first TP rank sends the
+output, the others None: every rank of that stage sampled the same tokens), ("error", one line) before exiting 1.
 
 A worker exits by itself when the driver goes: its socket reads EOF, or its parent process changed.
 """
@@ -46,6 +46,7 @@ class WorkerInit:
     seed: int
     rank: int
     world_size: int
+    tensor_parallel_size: int
     init_method: str
     backend: str  # the executor backend, for messages
     timeout_s: float
@@ -75,12 +76,16 @@ class _Worker:
             torch.cuda.set_device(device)
         # Every rank samples, from the same logits: the same seed keeps unseeded draws in step.
         torch.manual_seed(init.seed)
-        tp = init_distributed(init.rank, init.world_size, init.init_method, init.backend, init.timeout_s, device)
+        tp, pp = init_distributed(init.rank, init.world_size, init.init_method, init.backend, init.timeout_s, device,
+                                  init.tensor_parallel_size)
         self._send(("met",))
-        loaded = load_model_shard(init.model, init.dtype, device, tp)
+        # The last stage's first TP rank answers for all: every rank of that stage sampled the same.
+        self.answers = init.rank == init.world_size - init.tensor_parallel_size
+        loaded = load_model_shard(init.model, init.dtype, device, tp, pp)
         model, cfg = loaded.model, loaded.config
-        attn = model.model.layers[0].self_attn
-        kv_cache = PagedKVCache(cfg.num_hidden_layers, init.num_blocks, init.block_size, attn.num_kv_heads,
+        first, end = model.model.first_layer, model.model.end_layer  # this stage's layers
+        attn = model.model.layers[first].self_attn
+        kv_cache = PagedKVCache(end - first, init.num_blocks, init.block_size, attn.num_kv_heads,
                                 attn.head_dim, getattr(torch, init.kv_cache_dtype), device)
 
         def tokenizer_and_eos():
@@ -108,7 +113,7 @@ class _Worker:
 
         decode_step = msgspec.msgpack.Decoder(SchedulerOutput)
         decode_ids = msgspec.msgpack.Decoder(list[str])
-        conn, runner, rank0 = self.conn, self.runner, self.init.rank == 0
+        conn, runner, answers = self.conn, self.runner, self.answers
         while True:
             while not conn.poll(_POLL_S):
                 if os.getppid() != self.init.parent_pid:
@@ -120,7 +125,7 @@ class _Worker:
             kind, payload = frame[:1], memoryview(frame)[1:]
             if kind == b"E":
                 out = runner.execute(decode_step.decode(payload))
-                self._send(("out", out if rank0 else None))
+                self._send(("out", out if answers else None))
             elif kind == b"R":
                 runner.release(decode_ids.decode(payload))
             elif kind == b"S":

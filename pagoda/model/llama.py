@@ -15,6 +15,7 @@ from torch import nn
 from pagoda.model.attention import AttentionContext
 from pagoda.model.errors import ModelLoadError
 from pagoda.model.layers import RMSNorm, RotaryEmbedding, RotaryStep, silu_and_mul
+from pagoda.model.pipeline import SINGLE_STAGE, PPStage, layer_range
 from pagoda.model.tensor_parallel import (
     SINGLE, TPGroup, VocabParallelEmbedding, check_tp_config, shard_tensor, split_for, vocab_rows,
 )
@@ -128,9 +129,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TPGroup = SINGLE) -> None:
+    """Under pipeline parallelism, this stage's layers (the others are empty placeholders, so that
+    names keep their layer numbers); the embedding and the norm only on the stages that use them."""
+
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TPGroup = SINGLE, pp: PPStage = SINGLE_STAGE,
+                 tied_head: bool = False) -> None:
         super().__init__()
-        if tp.size > 1:
+        self.pp = pp
+        self.hidden_size = config.hidden_size
+        self.first_layer, self.end_layer = layer_range(config.num_hidden_layers, pp.stage, pp.size)
+        if not pp.is_first and not (pp.is_last and tied_head):
+            self.embed_tokens = None
+        elif tp.size > 1:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         else:
             # Passing the (uninitialised) weight skips nn.Embedding's normal_() init: on the meta device
@@ -138,20 +148,34 @@ class LlamaModel(nn.Module):
             self.embed_tokens = nn.Embedding(
                 config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
             )
+        first, end = self.first_layer, self.end_layer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, tp) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i - first, qkv_bias, qk_norm, tp) if first <= i < end else nn.Module()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(head_dim, rope_parameters(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor | None:
+        """Hidden states [T, H]; None on a stage before the last, which hands them to the next."""
+        pp = self.pp
+        if pp.is_first:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = pp.recv(input_ids.shape[0], self.hidden_size, self.rotary_dtype)
         rope = self.rotary.for_step(positions, h.dtype)
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.first_layer : self.end_layer]:
             h, residual = layer(h, residual, rope, attn)
+        if not pp.is_last:
+            pp.send(h, residual)
+            return None
         return self.norm(h) if residual is None else self.norm.add_forward(h, residual)[0]
+
+    @property
+    def rotary_dtype(self) -> torch.dtype:
+        """The activations' dtype: the parameters'."""
+        return next(self.parameters()).dtype
 
 
 # checkpoint name suffix -> (our parameter suffix, shard index within the merged parameter)
@@ -167,18 +191,22 @@ _MERGED = {
 class LlamaForCausalLM(nn.Module):
     """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
 
-    def __init__(self, config, architecture: str = "LlamaForCausalLM", tp: TPGroup = SINGLE) -> None:
+    def __init__(self, config, architecture: str = "LlamaForCausalLM", tp: TPGroup = SINGLE,
+                 pp: PPStage = SINGLE_STAGE) -> None:
         super().__init__()
         check_config(config)
         check_tp_config(config, tp.size)
         self.config = config
-        self.tp = tp
+        self.tp, self.pp = tp, pp
+        if config.num_hidden_layers < pp.size:
+            raise ValueError(f"pipeline_parallel_size {pp.size} exceeds the model's {config.num_hidden_layers} layers")
         qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
         qk_norm = architecture == "Qwen3ForCausalLM"
-        self.model = LlamaModel(config, qkv_bias, qk_norm, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config, qkv_bias, qk_norm, tp, pp, self.tie_word_embeddings)
         rows = vocab_rows(config.vocab_size, tp)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
+        has_head = pp.is_last and not self.tie_word_embeddings
+        self.lm_head = nn.Linear(config.hidden_size, rows, bias=False) if has_head else None
         # Under TP the head gives this rank's slice of the vocabulary; the runner's packed head
         # (exec/cpu_linear) gathers its output through this too. None: nothing to gather.
         self.gather_logits = self._gather_logits if tp.size > 1 else None
@@ -187,7 +215,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] for the step's flattened tokens; returns hidden states [T, H]."""
         return self.model(input_ids, positions, attn)
 
-    def lm_head_weight(self) -> torch.Tensor:
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """None on a pipeline stage before the last, which has no head."""
+        if not self.pp.is_last:
+            return None
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -199,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_gather_last(local)[..., : self.config.vocab_size]
 
     def _shard_sizes(self, merged: str) -> list[int]:
-        attn = self.model.layers[0].self_attn
+        attn = self.model.layers[self.model.first_layer].self_attn
         if merged == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
         inter = split_for(self.config, self.tp).inter_count
@@ -211,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: dict[str, str] = {}  # "target#offset" -> the checkpoint name that filled it
         tied_head = None
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self._holds(name):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 if tied_head is not None:
@@ -255,6 +286,16 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"{source}: missing tensor(s) {names}{' ...' if len(missing) > 5 else ''}")
         if tied_head is not None:
             self._untie_if_different(tied_head, source)
+
+    def _holds(self, name: str) -> bool:
+        """Whether this pipeline stage holds checkpoint tensor `name` (every stage, without PP)."""
+        if self.pp.size == 1:
+            return True
+        if name.startswith("model.layers."):
+            return self.model.first_layer <= int(name.split(".")[2]) < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        return self.pp.is_last  # the final norm, lm_head
 
     def _untie_if_different(self, head: torch.Tensor, source: str) -> None:
         """The config ties the head to the embedding but the checkpoint also holds lm_head.weight. As

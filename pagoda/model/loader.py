@@ -229,7 +229,7 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def _build_on_meta(cls, config, arch: str, dtype: torch.dtype, where: Path | str, tp=None) -> torch.nn.Module:
+def _build_on_meta(cls, config, arch: str, dtype: torch.dtype, where: Path | str, **parallel) -> torch.nn.Module:
     """The model without storage: no memory or time is spent on random init that weights overwrite.
     A config the model cannot follow is a ModelLoadError naming `where` (the file that says it)."""
     import torch
@@ -238,7 +238,7 @@ def _build_on_meta(cls, config, arch: str, dtype: torch.dtype, where: Path | str
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            return cls(config, arch) if tp is None else cls(config, arch, tp)
+            return cls(config, arch, **parallel)  # parallel: tp, pp (a rank's shard, shard_loader)
     except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, RuntimeError) as exc:
         raise ModelLoadError(f"{where}: cannot build {arch} from this config ({exc})") from None
     finally:

@@ -1,6 +1,6 @@
-"""Loading one tensor-parallel rank's shard of a model: every weight is read one checkpoint tensor
-at a time and cut down to the rank's slice (`tensor_parallel.shard_tensor`), so no rank holds the
-whole model. The GGUF load cache is read when it holds the model (its merged projections are split
+"""Loading one rank's shard of a model: its pipeline stage's layers, and of those its tensor-parallel
+slice. Every weight is read one checkpoint tensor at a time, skipped when the stage does not hold it
+and cut down to the rank's slice (`tensor_parallel.shard_tensor`), so no rank holds the whole model. The GGUF load cache is read when it holds the model (its merged projections are split
 back first) and never written: a shard is not the model the cache describes.
 """
 
@@ -16,6 +16,7 @@ from pagoda.model.loader import (
     LoadedModel, _build_on_meta, _cached_config, _materialize_rotary, _safetensors_tensors, _weights_kind,
     load_config, resolve_dtype, resolve_model,
 )
+from pagoda.model.pipeline import SINGLE_STAGE, PPStage
 from pagoda.model.registry import resolve_architecture
 from pagoda.model.tensor_parallel import TPGroup, unmerge_params
 
@@ -28,7 +29,8 @@ def _cached_tensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
             yield name, st.get_tensor(name).to(dtype)
 
 
-def load_model_shard(model: str | None, dtype: str | torch.dtype, device: str | torch.device, tp: TPGroup) -> LoadedModel:
+def load_model_shard(model: str | None, dtype: str | torch.dtype, device: str | torch.device, tp: TPGroup,
+                     pp: PPStage = SINGLE_STAGE) -> LoadedModel:
     device = torch.device(device)
     source = resolve_model(model)
     torch_dtype = resolve_dtype(dtype, device)
@@ -36,7 +38,7 @@ def load_model_shard(model: str | None, dtype: str | torch.dtype, device: str | 
     config = _cached_config(cached) if cached else load_config(source, use_cache=False)
     arch, cls = resolve_architecture(config, str(source.path))
     where = source.path if source.is_gguf else source.path / "config.json"
-    net = _build_on_meta(cls, config, arch, torch_dtype, where, tp).to_empty(device=device)
+    net = _build_on_meta(cls, config, arch, torch_dtype, where, tp=tp, pp=pp).to_empty(device=device)
     _materialize_rotary(net, device)
     if cached:
         weights = unmerge_params(_cached_tensors(cached, torch_dtype), config)

@@ -6,7 +6,6 @@ one of them with fewer KV heads than ranks and a vocabulary the ranks do not div
 from __future__ import annotations
 
 import multiprocessing
-import os
 import types
 
 import pytest
@@ -16,6 +15,7 @@ from pagoda import LLM
 from pagoda.exec.executor import check_parallel_config
 from pagoda.model.tensor_parallel import TPGroup, check_tp_config, shard_tensor, split_for, unmerge_params
 from pagoda.sampling_params import SamplingParams
+from parallel_helpers import WORKLOAD_ENGINE_ARGS, workload
 from tests.tiny_models import save_tiny_model
 
 # name -> (arch, config overrides)
@@ -73,10 +73,13 @@ def test_shards_put_back_together_are_the_tensor():
 
 def test_bad_parallel_configs_are_refused_in_one_line():
     cpu = torch.device("cpu")
-    cores = len(os.sched_getaffinity(0))
+    gpus = torch.cuda.device_count()
     cases = [
         (lambda: check_tp_config(_cfg(heads=6, kv=3), 4), "cannot split the model's 3 KV heads"),
-        (lambda: check_parallel_config(cores + 1, 1, "mp", cpu), f"{cores + 1} ranks need {cores + 1} CPU cores"),
+        (lambda: check_parallel_config(gpus + 1, 1, "mp", torch.device("cuda")),
+         f"{gpus + 1} ranks need {gpus + 1} GPUs; this machine has {gpus}"),
+        (lambda: check_parallel_config(1, 3, "mp", cpu, types.SimpleNamespace(**vars(_cfg()), num_hidden_layers=2)),
+         "pipeline_parallel_size 3 exceeds the model's 2 layers"),
         (lambda: check_parallel_config(2, 1, "uni", cpu), "the uni executor runs one rank"),
     ]
     try:
@@ -145,23 +148,14 @@ def test_tp2_logits_equal_tp1_within_1e4(folders):
         assert torch.allclose(got[name], want, atol=1e-4, rtol=0), (name, (got[name] - want).abs().max())
 
 
-def _workload(llm: LLM) -> tuple[list[list[int]], int]:
-    """Greedy outputs of prompts sharing a prefix, long enough for chunked prefill; the preemptions."""
-    shared = list(range(10, 58))
-    prompts = [shared + [i, i + 1] for i in range(60, 66)] + [list(range(100, 190)), [7, 8, 9]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm.engine.core.stats().num_preemptions
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_tp2_greedy_tokens_equal_tp1_under_chunking_caching_and_preemption(folders, name):
-    # 24 blocks of 16 tokens for 8 requests of up to 114 tokens: some must be preempted.
-    kwargs = dict(dtype="float32", num_gpu_blocks_override=24, max_num_batched_tokens=64, max_num_seqs=8)
-    want, _ = _workload(LLM(folders[name], **kwargs))
+    kwargs = WORKLOAD_ENGINE_ARGS
+    want, _ = workload(LLM(folders[name], **kwargs))
     llm = LLM(folders[name], tensor_parallel_size=2, **kwargs)
     try:
-        got, preemptions = _workload(llm)
+        got, preemptions = workload(llm)
     finally:
         llm.engine.core.shutdown()
     assert preemptions > 0
