@@ -94,10 +94,10 @@ class EngineCore:
             )
             self.executor = UniExecutor(self.runner)
         else:
-            from pagoda.exec.executor import make_multiproc_executor
+            from pagoda.exec.executor import make_distributed_executor
 
-            self.executor = make_multiproc_executor(args, backend, num_blocks, self.max_model_len,
-                                                    str(self._kv_cache_dtype()).removeprefix("torch."))
+            self.executor = make_distributed_executor(args, backend, num_blocks, self.max_model_len,
+                                                      str(self._kv_cache_dtype()).removeprefix("torch."))
         # The front end's tokenizer when it runs in this process (set by LLMEngine); structured
         # outputs need one, and otherwise load their own on first use.
         self.tokenizer: Any = None

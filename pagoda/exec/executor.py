@@ -5,7 +5,7 @@ An executor receives the scheduler's plain-data step and returns the sampled tok
 as a `ModelRunnerOutput`, whichever backend runs the ranks:
 - `uni`: today's `ModelRunner` in this process (one rank);
 - `mp`: one worker process per rank on this machine (`pagoda.exec.mp_executor`);
-- `ray`: workers as Ray actors (not built yet: refused with one line).
+- `ray`: the same workers as Ray actors in a placement group (`pagoda.exec.ray_executor`).
 Tensor and pipeline parallelism combine: rank = stage * tensor_parallel_size + TP rank.
 One scheduler and one KV block manager, in the engine core, serve all ranks: every rank holds its
 shard of every KV block under the same block ids, so the step is the same message for each.
@@ -91,10 +91,8 @@ def check_parallel_config(tp: int, pp: int, backend: str, device: torch.device, 
         raise ValueError(
             f"the uni executor runs one rank; tensor_parallel_size x pipeline_parallel_size = {world} needs mp or ray"
         )
-    if backend == "ray":
-        if importlib.util.find_spec("ray") is None:
-            raise ValueError("distributed_executor_backend=ray needs Ray: pip install 'pagoda[ray]'")
-        raise ValueError("distributed_executor_backend=ray is not implemented yet; use mp on one machine")
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ValueError("distributed_executor_backend=ray needs Ray: pip install 'pagoda[ray]'")
     if backend == "mp" and world > available_ranks(device) and config is None:  # said once
         if device.type == "cuda":
             raise ValueError(f"{world} ranks need {world} GPUs; this machine has {available_ranks(device)}")
@@ -108,21 +106,29 @@ def check_parallel_config(tp: int, pp: int, backend: str, device: torch.device, 
             raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {config.num_hidden_layers} layers")
 
 
-def make_multiproc_executor(args: EngineArgs, backend: str, num_blocks: int, max_model_len: int,
-                            kv_cache_dtype: str) -> Executor:
-    """The `mp` executor for `args`: the ranks share this machine's cores evenly (one thread each
-    at least), each with a KV cache of `num_blocks` blocks for its own heads."""
+def make_distributed_executor(args: EngineArgs, backend: str, num_blocks: int, max_model_len: int,
+                              kv_cache_dtype: str) -> Executor:
+    """The `mp` or `ray` executor for `args`, each rank with a KV cache of `num_blocks` blocks for its
+    own heads and layers. mp ranks share this machine's cores evenly (one thread each at least);
+    a Ray rank asks for as many CPUs (RAY_CPUS_PER_RANK, default 1)."""
     from pagoda.exec.distributed import init_timeout_s
     from pagoda.exec.mp_executor import MultiprocExecutor
     from pagoda.exec.worker import WorkerInit
 
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    threads = max(1, available_ranks(torch.device("cpu")) // world)
+    if backend == "ray":
+        threads = int(os.environ.get("RAY_CPUS_PER_RANK", "1"))
+    else:
+        threads = max(1, available_ranks(torch.device("cpu")) // world)
     init = WorkerInit(
         model=args.model, dtype=args.dtype, device=device.type, kv_cache_dtype=kv_cache_dtype,
         num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, seed=args.seed, rank=0,
         world_size=world, tensor_parallel_size=args.tensor_parallel_size, init_method="", backend=backend, timeout_s=init_timeout_s(), parent_pid=0,
     )
+    if backend == "ray":
+        from pagoda.exec.ray_executor import RayExecutor
+
+        return RayExecutor(init, threads, use_gpu=device.type == "cuda")
     return MultiprocExecutor(init, threads)

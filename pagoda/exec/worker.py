@@ -53,16 +53,43 @@ class WorkerInit:
     parent_pid: int
 
 
-class _Worker:
-    def __init__(self, conn: Connection, init: WorkerInit) -> None:
-        self.conn = conn
+class Worker:
+    """One rank, whatever carries its messages (this module's socket loop, or a Ray actor)."""
+
+    def __init__(self, init: WorkerInit) -> None:
         self.init = init
         self.runner = None
+        self.answers = False
+        self.tp = self.pp = None
 
-    def build(self) -> None:
+    def meet(self) -> None:
+        """Join the other ranks (DistributedInitError when they do not come)."""
         import torch
 
         from pagoda.exec.distributed import init_distributed
+
+        init = self.init
+        device = self.device()
+        # Every rank samples, from the same logits: the same seed keeps unseeded draws in step.
+        torch.manual_seed(init.seed)
+        self.tp, self.pp = init_distributed(init.rank, init.world_size, init.init_method, init.backend,
+                                            init.timeout_s, device, init.tensor_parallel_size)
+        # The last stage's first TP rank answers for all: every rank of that stage sampled the same.
+        self.answers = init.rank == init.world_size - init.tensor_parallel_size
+
+    def device(self):
+        import torch
+
+        device = torch.device(self.init.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", self.init.rank % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(device)
+        return device
+
+    def load(self) -> None:
+        """Load this rank's shard and build its KV cache and runner."""
+        import torch
+
         from pagoda.exec.model_runner import ModelRunner
         from pagoda.exec.paged_attention import PagedKVCache
         from pagoda.exec.structured_output import StructuredOutputs
@@ -70,18 +97,8 @@ class _Worker:
         from pagoda.model.shard_loader import load_model_shard
 
         init = self.init
-        device = torch.device(init.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", init.rank % max(1, torch.cuda.device_count()))
-            torch.cuda.set_device(device)
-        # Every rank samples, from the same logits: the same seed keeps unseeded draws in step.
-        torch.manual_seed(init.seed)
-        tp, pp = init_distributed(init.rank, init.world_size, init.init_method, init.backend, init.timeout_s, device,
-                                  init.tensor_parallel_size)
-        self._send(("met",))
-        # The last stage's first TP rank answers for all: every rank of that stage sampled the same.
-        self.answers = init.rank == init.world_size - init.tensor_parallel_size
-        loaded = load_model_shard(init.model, init.dtype, device, tp, pp)
+        device = self.device()
+        loaded = load_model_shard(init.model, init.dtype, device, self.tp, self.pp)
         model, cfg = loaded.model, loaded.config
         first, end = model.model.first_layer, model.model.end_layer  # this stage's layers
         attn = model.model.layers[first].self_attn
@@ -101,35 +118,53 @@ class _Worker:
             max_model_len=init.max_model_len, device=device, enforce_eager=init.enforce_eager,
             structured_outputs=StructuredOutputs(tokenizer_and_eos, cfg.vocab_size),
         )
-        self._send(("ready",))
 
-    def _send(self, msg: tuple) -> None:
-        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    def execute(self, step):
+        """Run a step; its output on the answering rank, None on the others."""
+        out = self.runner.execute(step)
+        return out if self.answers else None
 
-    def serve(self) -> None:
-        import msgspec
+    def release(self, request_ids: list[str]) -> None:
+        self.runner.release(request_ids)
 
-        from pagoda.contracts.step import SchedulerOutput
 
-        decode_step = msgspec.msgpack.Decoder(SchedulerOutput)
-        decode_ids = msgspec.msgpack.Decoder(list[str])
-        conn, runner, answers = self.conn, self.runner, self.answers
-        while True:
-            while not conn.poll(_POLL_S):
-                if os.getppid() != self.init.parent_pid:
-                    return  # the driver is gone
-            try:
-                frame = conn.recv_bytes()
-            except (EOFError, OSError):
-                return
-            kind, payload = frame[:1], memoryview(frame)[1:]
-            if kind == b"E":
-                out = runner.execute(decode_step.decode(payload))
-                self._send(("out", out if answers else None))
-            elif kind == b"R":
-                runner.release(decode_ids.decode(payload))
-            elif kind == b"S":
-                return
+def error_line(exc: BaseException, init: WorkerInit) -> str:
+    """What a rank's failure says in one line (the expected kinds as they are, others with their type)."""
+    from pagoda.errors import DistributedInitError
+    from pagoda.model.errors import ModelLoadError
+
+    if isinstance(exc, (DistributedInitError, ModelLoadError, ValueError)):
+        return str(exc)
+    logger.error("rank %d failed:\n%s", init.rank, traceback.format_exc())
+    return f"rank {init.rank} ({init.backend} backend) failed: {type(exc).__name__}: {exc}"
+
+
+def _send(conn: Connection, msg: tuple) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _serve(conn: Connection, worker: Worker) -> None:
+    import msgspec
+
+    from pagoda.contracts.step import SchedulerOutput
+
+    decode_step = msgspec.msgpack.Decoder(SchedulerOutput)
+    decode_ids = msgspec.msgpack.Decoder(list[str])
+    while True:
+        while not conn.poll(_POLL_S):
+            if os.getppid() != worker.init.parent_pid:
+                return  # the driver is gone
+        try:
+            frame = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        kind, payload = frame[:1], memoryview(frame)[1:]
+        if kind == b"E":
+            _send(conn, ("out", worker.execute(decode_step.decode(payload))))
+        elif kind == b"R":
+            worker.release(decode_ids.decode(payload))
+        elif kind == b"S":
+            return
 
 
 def main(fd: int) -> int:
@@ -140,21 +175,16 @@ def main(fd: int) -> int:
     conn = Connection(fd)
     init: WorkerInit = pickle.loads(conn.recv_bytes())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {init.rank}] %(name)s: %(message)s")
-    worker = _Worker(conn, init)
+    worker = Worker(init)
     try:
-        worker.build()
-        worker.serve()
+        worker.meet()
+        _send(conn, ("met",))
+        worker.load()
+        _send(conn, ("ready",))
+        _serve(conn, worker)
     except BaseException as exc:
-        from pagoda.errors import DistributedInitError
-        from pagoda.model.errors import ModelLoadError
-
-        if isinstance(exc, (DistributedInitError, ModelLoadError, ValueError)):
-            line = str(exc)
-        else:
-            logger.error("rank %d failed:\n%s", init.rank, traceback.format_exc())
-            line = f"rank {init.rank} ({init.backend} backend) failed: {type(exc).__name__}: {exc}"
         try:
-            worker._send(("error", line))
+            _send(conn, ("error", error_line(exc, init)))
         except OSError:
             pass
         return 1
