@@ -21,7 +21,7 @@ no rank ever holds more than its shard plus one full tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +36,12 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None
+    # An in-place sum over the group that may decline (returns False): the executor's shared-memory
+    # all-reduce on one machine's CPU (pagoda/exec/shm_allreduce.py); torch.distributed otherwise.
+    fast_all_reduce: Callable[[torch.Tensor], bool] | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.size > 1 and not (self.fast_all_reduce is not None and self.fast_all_reduce(x)):
             import torch.distributed as dist
 
             dist.all_reduce(x, group=self.group)
