@@ -66,7 +66,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, executor_back
     fast = None
     if executor_backend == "mp" and device.type == "cpu" and tp_size > 1 and cpu_all_reduce() == "shm":
         fast = _shm_all_reduce(init_method, rank, tp_size)
-    tp = TPGroup(rank=rank % tp_size, size=tp_size, group=group, fast_all_reduce=fast)
+    tp = TPGroup(rank=rank % tp_size, size=tp_size, group=group, fast_all_reduce=fast,
+                 fast_all_gather=fast.all_gather_last if fast is not None else None)
     return tp, PPStage(stage=rank // tp_size, size=stages, rank=rank, tp_size=tp_size)
 
 

@@ -1,4 +1,4 @@
-"""An all-reduce through shared memory, for the tensor-parallel ranks of one machine on the CPU.
+"""An all-reduce (and the logits' all-gather) through shared memory, for the tensor-parallel ranks of one machine on the CPU.
 
 gloo's all-reduce goes through TCP loopback sockets and its own threads: for the small tensors of
 a decode step ([batch, hidden], a few KiB, twice per layer) its fixed cost dominates. Here every
@@ -35,11 +35,12 @@ class ShmAllReduce:
         self.slots = storage[header:].view(2, world, slot_bytes)
         self.seq = 0
 
-    def __call__(self, x: torch.Tensor) -> bool:
-        """Sum `x` over the ranks, in place; False (nothing done) when it does not fit a slot."""
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `x` (views of the slots, valid until the call after next); None when `x`
+        does not fit a slot."""
         nbytes = x.numel() * x.element_size()
-        if nbytes > self.slot_bytes or not x.is_contiguous():
-            return False
+        if nbytes > self.slot_bytes:
+            return None
         self.seq += 1
         seq, flags = self.seq, self.flags
         slots = self.slots[seq % 2, :, :nbytes]
@@ -51,7 +52,20 @@ class ShmAllReduce:
                 spins += 1
                 if spins > _SPINS_BEFORE_YIELD:
                     os.sched_yield()  # ranks may share cores: let the late one run
-        parts = [slots[r].view(x.dtype).view(x.shape) for r in range(self.world)]
+        return [slots[r].view(x.dtype).view(x.shape) for r in range(self.world)]
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `x` concatenated along the last dimension, in rank order; None: too big."""
+        parts = self._exchange(x.contiguous())
+        return None if parts is None else torch.cat(parts, dim=-1)
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        """Sum `x` over the ranks, in place; False (nothing done) when it does not fit a slot."""
+        if not x.is_contiguous():
+            return False
+        parts = self._exchange(x)
+        if parts is None:
+            return False
         if x.dtype == torch.float32:
             torch.add(parts[0], parts[1], out=x)
             for p in parts[2:]:

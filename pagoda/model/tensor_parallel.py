@@ -39,6 +39,8 @@ class TPGroup:
     # An in-place sum over the group that may decline (returns False): the executor's shared-memory
     # all-reduce on one machine's CPU (pagoda/exec/shm_allreduce.py); torch.distributed otherwise.
     fast_all_reduce: Callable[[torch.Tensor], bool] | None = None
+    # Likewise for the LM head's gather: the concatenation, or None when it declines.
+    fast_all_gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1 and not (self.fast_all_reduce is not None and self.fast_all_reduce(x)):
@@ -51,6 +53,10 @@ class TPGroup:
         """Concatenate every rank's `x` along the last dimension, in rank order."""
         if self.size == 1:
             return x
+        if self.fast_all_gather is not None:
+            gathered = self.fast_all_gather(x)
+            if gathered is not None:
+                return gathered
         import torch.distributed as dist
 
         x = x.contiguous()

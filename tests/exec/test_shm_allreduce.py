@@ -1,5 +1,6 @@
 """The shared-memory all-reduce between real processes: the sum of every rank's tensor, bit-identical
-on every rank, over many calls (the two alternating slot sets), and declining what does not fit."""
+on every rank, over many calls (the two alternating slot sets); the all-gather in rank order; and
+declining what does not fit."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def _rank(rank: int, world: int, path: str, barrier, queue) -> None:
         x = torch.randn(3, 17, generator=gen).to(dtype)
         assert reducer(x)
         results.append(x.float().numpy().copy())  # numpy: a queue would pass a tensor by a handle that dies with us
+    gathered = reducer.all_gather_last(torch.full((2, 3), float(rank)))
+    assert torch.equal(gathered, torch.tensor([[0.0] * 3 + [1.0] * 3 + [2.0] * 3] * 2))
     big = torch.zeros(2048)  # 8 KiB > a 4 KiB slot
-    queue.put((rank, results, reducer(big)))
+    queue.put((rank, results, reducer(big) or reducer.all_gather_last(big) is not None))
 
 
 def test_sums_agree_bitwise_on_every_rank_and_big_tensors_are_declined(tmp_path):

@@ -106,7 +106,8 @@ def _rank_logits(rank: int, world: int, port: int, folders: dict, queue) -> None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out = {}
     for name, folder in folders.items():
-        out[name] = _logits(load_model_shard(folder, "float32", "cpu", TPGroup(rank, world)).model)
+        # numpy: a queue passes a tensor by a handle that dies with this process
+        out[name] = _logits(load_model_shard(folder, "float32", "cpu", TPGroup(rank, world)).model).numpy()
     if rank == 0:
         queue.put(out)
     dist.barrier()
@@ -143,6 +144,7 @@ def test_tp2_logits_equal_tp1_within_1e4(folders):
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
+    got = {name: torch.from_numpy(array) for name, array in got.items()}
     for name, folder in folders.items():
         want = _logits(load_model(folder, "float32").model)
         assert got[name].shape == want.shape == (9, MODELS[name][1].get("vocab_size", 512))
