@@ -20,11 +20,13 @@ import torch
 
 _FLAG_STRIDE = 8  # int64s between two ranks' flags: one 64-byte cache line each
 _SPINS_BEFORE_YIELD = 64
+_SPINS_BETWEEN_PARENT_CHECKS = 1 << 16
 
 
 class ShmAllReduce:
     def __init__(self, path: str, rank: int, world: int, slot_bytes: int, create: bool) -> None:
         self.rank, self.world, self.slot_bytes = rank, world, slot_bytes
+        self.parent_pid = os.getppid()
         header = world * _FLAG_STRIDE * 8
         total = header + 2 * world * slot_bytes
         if create:
@@ -52,6 +54,10 @@ class ShmAllReduce:
                 spins += 1
                 if spins > _SPINS_BEFORE_YIELD:
                     os.sched_yield()  # ranks may share cores: let the late one run
+                if spins % _SPINS_BETWEEN_PARENT_CHECKS == 0 and os.getppid() != self.parent_pid:
+                    # A peer that died is the executor's to notice (it stops us); with the executor
+                    # gone too, nobody would: leave rather than wait forever.
+                    raise RuntimeError("the engine process is gone while waiting for a peer rank")
         return [slots[r].view(x.dtype).view(x.shape) for r in range(self.world)]
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor | None:
