@@ -2,8 +2,9 @@
 one started by `ray.init`, or the one RAY_ADDRESS names; docs/distributed.md has the recipe).
 
 Each actor wraps the same `Worker` the `mp` backend runs in a process, so a rank behaves alike on
-both. Start-up is bounded at every stage that can hang on a cluster: the placement group must be
-placed, and the ranks must meet, within PAGODA_DIST_INIT_TIMEOUT_S, each failure one line naming
+both. More ranks than the cluster has CPUs (GPUs) are refused up front. Start-up is bounded at
+every stage that can hang on a cluster: the placement group must be placed (the resources exist
+but others may hold them), and the ranks must meet, within PAGODA_DIST_INIT_TIMEOUT_S, each failure one line naming
 the backend and the rank (or the resources that were missing). The rendezvous is hosted by rank
 0's node, on a port free there. A lost actor fails the step it was in (Ray raises for its calls)
 and the idle health check (a ping), which ends the engine as a dead `mp` worker does.
@@ -86,6 +87,15 @@ class RayExecutor:
         self.answering_rank = world - base.tensor_parallel_size
         self._encode = msgspec.msgpack.Encoder()
         bundle = {"CPU": threads_per_rank, **({"GPU": 1} if use_gpu else {})}
+        have = ray.cluster_resources()
+        for key, each in bundle.items():
+            if have.get(key, 0) < world * each:  # refused up front: it could never be placed
+                if self._own_ray:
+                    ray.shutdown()
+                raise ValueError(
+                    f"ray backend: {world} ranks need {world * each:g} {key} ({each:g} per rank); "
+                    f"the Ray cluster has {have.get(key, 0):g}"
+                )
         self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
         self._remove_pg = remove_placement_group
         self.actors: list = []
