@@ -7,6 +7,8 @@ the shared-memory all-reduce (PAGODA_CPU_ALLREDUCE).
 Each rank is the very worker the mp executor runs (pagoda.exec.worker.Worker: rendezvous, shard
 loading, ModelRunner over its KV cache shard), driven here with hand-built steps: one prefill of
 `--batch` prompts of `--prompt-len` tokens, then `--steps` decode steps of one token per request.
+With --pp, PP=2 runs the same steps as one micro-batch and as two (the mp executor's split), timed
+on the last stage after a barrier; its "comm" is the TP collectives only, so none.
 Communication time is what the TP collectives (TPGroup.all_reduce / all_gather_last, wrapped here
 with a timer) take on rank 0, waiting for the other rank included. Medians over the decode steps
 after `--warmup`.
@@ -22,7 +24,7 @@ import statistics
 import time
 
 
-def _rank(rank: int, world: int, threads: int, port: int, args: dict, comm: str, queue) -> None:
+def _rank(rank: int, world: int, threads: int, port: int, args: dict, comm: str, queue, tp: int, parts: int) -> None:
     os.environ["PAGODA_CPU_ALLREDUCE"] = comm
     import torch
 
@@ -51,9 +53,11 @@ def _rank(rank: int, world: int, threads: int, port: int, args: dict, comm: str,
     init = WorkerInit(
         model=args["model"], dtype=args["dtype"], device="cpu", kv_cache_dtype="bfloat16" if args["dtype"] == "bfloat16" else "float32",
         num_blocks=batch * nb + 1, block_size=bs, max_num_seqs=batch, max_model_len=plen + steps + bs,
-        enforce_eager=True, seed=0, rank=rank, world_size=world, tensor_parallel_size=world,
+        enforce_eager=True, seed=0, rank=rank, world_size=world, tensor_parallel_size=tp,
         init_method=f"tcp://127.0.0.1:{port}", backend="mp", timeout_s=120.0, parent_pid=os.getppid(),
     )
+    import torch.distributed as dist
+
     worker = Worker(init)
     worker.meet()
     worker.load()
@@ -65,18 +69,26 @@ def _rank(rank: int, world: int, threads: int, port: int, args: dict, comm: str,
                          new_request=NewRequestData(prompts[i], [], params, 2))
         for i in range(batch)
     ], total_num_scheduled_tokens=batch * plen)
-    worker.execute(prefill)
+    from pagoda.exec.mp_executor import split_step
+
+    for part in split_step(prefill) if parts == 2 else [prefill]:
+        worker.execute(part)
     step_ms, comm_ms = [], []
     for k in range(steps):
         step = SchedulerOutput(scheduled=[
             ScheduledRequest(f"r{i}", plen + k, 1, [100 + k], [], blocks[i], plen + k + 1) for i in range(batch)
         ], total_num_scheduled_tokens=batch)
+        if world > tp:  # a pipeline: the step ends when the last stage is done, so time it there
+            dist.barrier()
         spent[0] = 0.0
         t0 = time.perf_counter()
-        worker.execute(step)
+        # As the mp executor does for a pipeline: each stage runs the micro-batches in turn, handing
+        # each on as it finishes, so stage 1 computes the first while stage 0 computes the second.
+        for part in split_step(step) if parts == 2 else [step]:
+            worker.execute(part)
         step_ms.append((time.perf_counter() - t0) * 1e3)
         comm_ms.append(spent[0] * 1e3)
-    if rank == 0:
+    if rank == (world - 1 if world > tp else 0):
         queue.put((step_ms[args["warmup"]:], comm_ms[args["warmup"]:]))
     if world > 1:
         import torch.distributed as dist
@@ -84,13 +96,15 @@ def _rank(rank: int, world: int, threads: int, port: int, args: dict, comm: str,
         dist.barrier()
 
 
-def run(world: int, threads: int, comm: str, args: dict) -> dict:
+def run(world: int, threads: int, comm: str, args: dict, tp: int | None = None, parts: int = 1) -> dict:
     from pagoda.exec.mp_executor import free_port
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, threads, port, args, comm, queue)) for r in range(world)]
+    tp = world if tp is None else tp
+    procs = [ctx.Process(target=_rank, args=(r, world, threads, port, args, comm, queue, tp, parts))
+             for r in range(world)]
     for p in procs:
         p.start()
     step_ms, comm_ms = queue.get(timeout=1800)
@@ -98,7 +112,8 @@ def run(world: int, threads: int, comm: str, args: dict) -> dict:
         p.join(60)
     step = statistics.median(step_ms)
     comm_share = statistics.median(c / s for c, s in zip(comm_ms, step_ms))
-    return {"tp": world, "threads_per_rank": threads, "comm": comm if world > 1 else "-",
+    return {"tp": tp, "pp": world // tp, "micro_batches": parts, "threads_per_rank": threads,
+            "comm": comm if world > 1 else "-",
             "step_ms": round(step, 1), "tok_s": round(args["batch"] * 1e3 / step, 1),
             "comm_ms": round(statistics.median(comm_ms), 2), "comm_share": round(comm_share, 3)}
 
@@ -112,15 +127,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help="threads of the TP=1 run; TP=2 ranks get half each")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat the three configurations, alternating")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the configurations, alternating")
+    ap.add_argument("--pp", action="store_true", help="also PP=2 (1 thread per stage), with one and two micro-batches")
     args = ap.parse_args()
     params = vars(args)
     rows = []
     for _ in range(args.rounds):
         rows.append(run(1, args.threads, "-", params))
+        n = len(rows)
         for comm in ("gloo", "shm"):
             rows.append(run(2, max(1, args.threads // 2), comm, params))
-        for row in rows[-3:]:
+        if args.pp:
+            for parts in (1, 2):
+                rows.append(run(2, max(1, args.threads // 2), "shm", params, tp=1, parts=parts))
+        for row in rows[n - 1:]:
             print(json.dumps(row), flush=True)
 
 
