@@ -1,5 +1,6 @@
-"""A worker process of the `mp` executor: one rank, its model shard, its KV cache shard and a
-`ModelRunner` over them, driven by the executor through one socket.
+"""One rank of a distributed executor (`Worker`: its model shard, its KV cache shard and a
+`ModelRunner` over them), and the worker process of the `mp` executor that drives one through a
+socket; the `ray` executor drives the same `Worker` inside an actor.
 
 Started as `python -m pagoda.exec.worker FD` with FD one end of a socketpair (a
 multiprocessing `Connection`). The engine core's process is a daemonic multiprocessing child,
@@ -9,7 +10,8 @@ Messages, driver -> worker: first a pickled `WorkerInit`; then frames of one kin
 payload: `E` + a `SchedulerOutput` (run it, answer), `R` + request ids (release, no answer), `S`
 (stop). Worker -> driver, pickled tuples: ("met",) once the ranks have met, ("ready",) once loaded,
 ("out", ModelRunnerOutput | None) per step (the last pipeline stage's first TP rank sends the
-output, the others None: every rank of that stage sampled the same tokens), ("error", one line) before exiting 1.
+output, the others None: every rank of that stage sampled the same tokens), ("error", one line)
+before exiting 1.
 
 A worker exits by itself when the driver goes: its socket reads EOF, or its parent process changed.
 """
