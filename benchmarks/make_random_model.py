@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/make_random_model.py qwen3-0.6b /tmp/qwen3-0.6b-random --dtype bfloat16
 
-Presets: tiny-llama (smoke tests), qwen3-0.6b (the GPU-offline workload). The seed fixes the weights.
+Presets: tiny-llama (smoke tests), qwen3-0.6b (the GPU-offline workload), llama-1b (tensor-parallel
+overhead, benchmarks/bench_tp.py). The seed fixes the weights.
 """
 
 from __future__ import annotations

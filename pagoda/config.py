@@ -4,7 +4,7 @@
 line (pagoda/entrypoints/engine_args.py) generates its flags from these fields, `--name-with-dashes`
 for `name`, with the help and choices given in each field's metadata. A field whose metadata says
 `"cli": "subcommand"` is declared by each subcommand itself (`model` is positional for `serve`;
-`--served-model-name` takes several names).
+`--served-model-name` takes several names); `"short"` adds vLLM's short alias (`-tp`, `-pp`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _DTYPE_ALIASES = ("fp16", "bf16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 def _arg(default: object, help: str, **meta: object) -> object:
@@ -58,6 +59,12 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory the engine may use (KV cache sizing)")
     enforce_eager: bool = _arg(False, "never capture CUDA graphs")
     served_model_name: str | None = _arg(None, "the name clients use for the model", cli="subcommand")
+    tensor_parallel_size: int = _arg(1, "ranks each layer is split over (tensor parallelism)", short="-tp")
+    pipeline_parallel_size: int = _arg(1, "stages the layers are split into (pipeline parallelism)", short="-pp")
+    distributed_executor_backend: str | None = _arg(
+        None, "how the ranks run: uni (this process, one rank), mp (a worker process per rank on this machine) "
+        "or ray; default: uni for one rank, else mp", choices=EXECUTOR_BACKENDS,
+    )
     max_logprobs: int = _arg(20, "the most logprobs (and prompt logprobs) a request may ask for; -1: the vocabulary")
 
     def __post_init__(self) -> None:
@@ -89,6 +96,15 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.distributed_executor_backend not in (None,) + EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

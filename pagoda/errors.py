@@ -1,8 +1,11 @@
-"""InvalidRequestError: a request refused because of one of its fields.
+"""InvalidRequestError: a request refused because of one of its fields. DistributedInitError and
+WorkerDiedError: a distributed executor whose ranks did not meet, or lost one.
 
-In the base layer because `SamplingParams` raises it as well as the engine's input processor: the
+InvalidRequestError is in the base layer because `SamplingParams` raises it as well as the engine's input processor: the
 server turns it into a 400 whose OpenAI `param` is the field named here, instead of guessing the field
-from the message's text. A ValueError, so callers that catch ValueError see no change.
+from the message's text. A ValueError, so callers that catch ValueError see no change. The two
+distributed errors are here because the executor raises them and the engine core (and its process)
+report them as one line, without a traceback.
 """
 
 from __future__ import annotations
@@ -17,3 +20,13 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.field = field
         self.code = code
+
+
+class DistributedInitError(RuntimeError):
+    """The ranks of a distributed executor did not meet (or one failed before meeting). Its text is
+    one line naming the rank and the executor backend; no traceback adds to it."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process (or Ray actor) of a distributed executor exited or failed: the engine cannot
+    go on with one rank missing. Its text names the rank."""

@@ -40,13 +40,19 @@ def tiny_config(arch: str, max_position_embeddings: int = 512):
     raise ValueError(arch)
 
 
-def save_tiny_model(arch: str, folder: Path, seed: int = 0, shard: bool = False, max_position_embeddings: int = 512):
+def save_tiny_model(arch: str, folder: Path, seed: int = 0, shard: bool = False, max_position_embeddings: int = 512,
+                    **overrides):
     """Random weights with a larger init than the default so greedy choices are not near-ties. The
-    weights do not depend on `max_position_embeddings` (rotary embeddings have no parameters)."""
+    weights do not depend on `max_position_embeddings` (rotary embeddings have no parameters).
+    `overrides`: config fields to change (e.g. num_key_value_heads=1)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = tiny_config(arch, max_position_embeddings)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    if "num_hidden_layers" in overrides and getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers  # one per layer
     config.initializer_range = 0.2
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kwargs = {"max_shard_size": "100KB"} if shard else {}

@@ -47,6 +47,25 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             eos_token_id=151645,
         ),
     ),
+    # About 1.2B parameters in Llama-3.2-1B's shape: the tensor-parallel overhead benchmark (issue 23).
+    "llama-1b": (
+        "LlamaConfig",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=4096,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 
 

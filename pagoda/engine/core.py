@@ -25,12 +25,13 @@ from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.cpu_kv_sizing import cpu_kv_budget, max_cached_free_blocks
 from pagoda.exec.cpu_memory import heap_free_bytes, trim_heap
+from pagoda.exec.executor import Executor, UniExecutor, check_parallel_config, resolve_backend
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
 from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.kv.manager import KVCacheManager
 from pagoda.kv.working_set import WorkingSetTrimmer
-from pagoda.model.loader import LoadedModel, load_model, load_tokenizer
+from pagoda.model.loader import LoadedModel, describe_model, load_model, load_tokenizer
 from pagoda.sched.config import SchedulerConfig
 from pagoda.sched.request import Request, RequestStatus
 from pagoda.sched.scheduler import Scheduler
@@ -52,19 +53,23 @@ class EngineCore:
         self.args = args
         self.device = pick_device(args.device)
         torch.manual_seed(args.seed)
-        self.loaded = loaded or load_model(args.model, args.dtype, self.device)
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        backend = resolve_backend(args.distributed_executor_backend, tp * pp)
+        check_parallel_config(tp, pp, backend, self.device)
+        if backend == "uni":
+            self.loaded = loaded or load_model(args.model, args.dtype, self.device)
+        else:  # the workers load their shards; this process needs the config only
+            self.loaded = describe_model(args.model, args.dtype, self.device)
+            check_parallel_config(tp, pp, backend, self.device, self.loaded.config)
         config = self.loaded.config
         self.max_model_len = resolve_max_model_len(args.max_model_len, config)
-        self.kv_cache = self._make_kv_cache()
-        # On the CPU the pool is lazily resident: bound what cached prefixes keep, and give back the
-        # memory of blocks that stay free (pagoda.kv.working_set).
-        on_cpu = self.kv_cache.can_release
+        num_blocks = self._num_kv_blocks()
+        # On the CPU the pool is lazily resident: bound what cached prefixes keep (pagoda.kv.block_pool).
+        on_cpu = self.device.type == "cpu"
         self.kv_manager = KVCacheManager(
-            self.kv_cache.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-            max_cached_free_blocks=max_cached_free_blocks(self.kv_cache.num_blocks) if on_cpu else None,
+            num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            max_cached_free_blocks=max_cached_free_blocks(num_blocks) if on_cpu else None,
         )
-        self.kv_trimmer = WorkingSetTrimmer(self.kv_manager.block_pool, now=time.monotonic()) if on_cpu else None
-        self._next_heap_check = 0.0
         # Without chunking a prompt must fit one step.
         budget = args.max_num_batched_tokens
         if not args.enable_chunked_prefill:
@@ -80,16 +85,33 @@ class EngineCore:
             ),
             self.kv_manager,
         )
-        self.runner = ModelRunner(
-            self.loaded.model,
-            self.kv_cache,
-            vocab_size=config.vocab_size,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=self.max_model_len,
-            device=self.device,
-            enforce_eager=args.enforce_eager,
-            structured_outputs=StructuredOutputs(self._tokenizer_and_eos, config.vocab_size),
-        )
+        # In-process (uni) the runner and the KV cache are here too; else each worker holds its own.
+        self.kv_cache: PagedKVCache | None = None
+        self.runner: ModelRunner | None = None
+        self.executor: Executor
+        if backend == "uni":
+            self.kv_cache = self._make_kv_cache(num_blocks)
+            self.runner = ModelRunner(
+                self.loaded.model,
+                self.kv_cache,
+                vocab_size=config.vocab_size,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=self.max_model_len,
+                device=self.device,
+                enforce_eager=args.enforce_eager,
+                structured_outputs=StructuredOutputs(self._tokenizer_and_eos, config.vocab_size),
+            )
+            self.executor = UniExecutor(self.runner)
+        else:
+            from pagoda.exec.executor import make_distributed_executor
+
+            self.executor = make_distributed_executor(args, backend, num_blocks, self.max_model_len,
+                                                      str(self._kv_cache_dtype()).removeprefix("torch."))
+        # Giving free blocks' pages back needs the cache in this process: in-process (uni) on the CPU.
+        # (The workers of mp and ray hold their shards; their pages are not given back yet.)
+        local_cache = self.kv_cache is not None and self.kv_cache.can_release
+        self.kv_trimmer = WorkingSetTrimmer(self.kv_manager.block_pool, now=time.monotonic()) if local_cache else None
+        self._next_heap_check = 0.0
         # The front end's tokenizer when it runs in this process (set by LLMEngine); structured
         # outputs need one, and otherwise load their own on first use.
         self.tokenizer: Any = None
@@ -117,11 +139,21 @@ class EngineCore:
             raise ValueError(f"kv_cache_dtype={name!r} is supported on the CPU only; use 'auto' on {self.device.type}")
         return getattr(torch, name)
 
-    def _make_kv_cache(self) -> PagedKVCache:
+    def _head_dim(self) -> int:
+        cfg = self.loaded.config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    def _make_kv_cache(self, num_blocks: int) -> PagedKVCache:
+        cfg = self.loaded.config
+        return PagedKVCache(cfg.num_hidden_layers, num_blocks, self.args.block_size, cfg.num_key_value_heads,
+                            self._head_dim(), self._kv_cache_dtype(), self.device)
+
+    def _num_kv_blocks(self) -> int:
+        """Blocks of the whole model's K/V that fit the budget (a TP rank holds a shard of each)."""
         args, cfg = self.args, self.loaded.config
         kv_dtype = self._kv_cache_dtype()
         num_kv_heads = cfg.num_key_value_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = self._head_dim()
         per_block = PagedKVCache.bytes_per_block(
             cfg.num_hidden_layers, args.block_size, num_kv_heads, head_dim, kv_dtype
         )
@@ -130,7 +162,7 @@ class EngineCore:
         else:
             budget = args.kv_cache_memory
             if budget is None:
-                if self.device.type == "cuda":
+                if self.device.type == "cuda" and self.runner_is_local():
                     from pagoda.exec.kv_sizing import profile_kv_budget  # a profiling forward at the token budget
 
                     budget = profile_kv_budget(self.loaded.model, args, self.max_model_len, cfg.num_hidden_layers,
@@ -146,7 +178,17 @@ class EngineCore:
             "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
             num_blocks, args.block_size, str(kv_dtype).removeprefix("torch."), num_blocks * per_block / 2**20,
         )
-        return PagedKVCache(cfg.num_hidden_layers, num_blocks, args.block_size, num_kv_heads, head_dim, kv_dtype, self.device)
+        return num_blocks
+
+    def runner_is_local(self) -> bool:
+        return self.loaded.model is not None
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError when a rank of the executor is gone."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -185,14 +227,14 @@ class EngineCore:
             self._deferred[leader] = [r for r in followers if r.request_id not in ids]
         counts = self._output_counts(request_ids)
         self.scheduler.abort_requests(request_ids)
-        self.runner.release(request_ids)
+        self.executor.release(request_ids)
         self._end_from_outside(counts, "abort")
 
     def finish_requests(self, request_ids: list[str]) -> None:
         """End requests that the front end stopped (a stop string matched)."""
         counts = self._output_counts(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
-        self.runner.release(request_ids)
+        self.executor.release(request_ids)
         self._end_from_outside(counts, "stop")
 
     def _output_counts(self, request_ids: list[str]) -> dict[str, int]:
@@ -231,7 +273,7 @@ class EngineCore:
         if so.is_empty:
             return []
         self._record_schedule(so, started)
-        result = self.runner.execute(so)
+        result = self.executor.execute(so)
         if result.prompt_logprobs:
             requests = self.scheduler.requests
             for rid, (start, rows) in result.prompt_logprobs.items():
@@ -247,7 +289,7 @@ class EngineCore:
         now = time.time()
         ended = [r.request_id for r in changed if r.finish_reason is not None]
         if ended:
-            self.runner.release(ended)
+            self.executor.release(ended)
         outputs = []
         timelines = self.timelines.live
         for request in changed:
@@ -328,7 +370,7 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
-            num_blocks=self.kv_cache.num_blocks,
+            num_blocks=kv.num_blocks,
             num_usable_blocks=kv.num_usable_blocks,
             num_free_blocks=kv.num_free_blocks,
             num_steps=self.num_steps,

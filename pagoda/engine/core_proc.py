@@ -174,6 +174,7 @@ class EngineCoreProc:
                     if not self._parent_alive():
                         logger.warning("parent process died; engine core exiting")
                         return
+                    core.check_health()  # a worker that died while idle: fail now, not at the next request
             self._drain_inputs()
             if self._shutdown or not core.has_unfinished_requests():
                 continue
@@ -203,6 +204,8 @@ class EngineCoreProc:
             )
 
     def close(self) -> None:
+        if self.core is not None:
+            self.core.shutdown()  # the executor's workers
         self.input.close(linger=0)
         self.output.close()
         self.ctx.term()
@@ -235,10 +238,11 @@ def run_engine_core(
         proc.run()
     except Exception as exc:
         code = 1
+        from pagoda.errors import DistributedInitError, WorkerDiedError
         from pagoda.model.errors import ModelLoadError
 
         user_error = isinstance(exc, (ModelLoadError, ValueError))  # a user error (model, sizes): no traceback
-        if user_error:
+        if user_error or isinstance(exc, (DistributedInitError, WorkerDiedError)):  # one line says it all
             logger.error("engine core failed: %s", exc)
         else:
             logger.error("engine core failed:\n%s", traceback.format_exc())

@@ -69,7 +69,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text)
         else:
-            group.add_argument(flag_name(f.name), *f.metadata.get("aliases", ()), type=kind, default=f.default,
+            names = [flag_name(f.name)] + ([f.metadata["short"]] if "short" in f.metadata else [])
+            group.add_argument(*names, *f.metadata.get("aliases", ()), type=kind, default=f.default,
                                choices=f.metadata.get("choices"), help=help_text)
 
 

@@ -108,13 +108,16 @@ def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor]
     """The fastest way to compute `model`'s logits on `device`: the packed head on CPU in fp32 (and
     bf16 on CPUs with native bf16), else the model's own compute_logits."""
     weight = model.lm_head_weight()
-    if not _onednn_usable(weight, device):
+    if weight is None or not _onednn_usable(weight, device):  # None: a pipeline stage without the head
         return model.compute_logits
     try:
-        return PackedLMHead(weight)
+        head = PackedLMHead(weight)
     except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
         logger.warning("packed LM head unavailable (%s); using F.linear", exc)
         return model.compute_logits
+    # Under tensor parallelism the head holds this rank's slice of the vocabulary: gather the rest.
+    gather = getattr(model, "gather_logits", None)
+    return head if gather is None else lambda hidden: gather(head(hidden))
 
 
 def pack_linears(model: nn.Module, device: torch.device) -> int:

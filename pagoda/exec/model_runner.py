@@ -261,6 +261,8 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)  # padding rows already dropped
         else:
             hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
+        if hidden is None:
+            return out  # a pipeline stage before the last: the next stage has its hidden states
         wanted = [(i, s) for i, s in enumerate(order) if s.prompt_logprobs_from is not None]
         if wanted:
             self._prompt_logprobs(wanted, hidden, meta, out)

@@ -15,6 +15,10 @@ from torch import nn
 from pagoda.model.attention import AttentionContext
 from pagoda.model.errors import ModelLoadError
 from pagoda.model.layers import RMSNorm, RotaryEmbedding, RotaryStep, silu_and_mul
+from pagoda.model.pipeline import SINGLE_STAGE, PPStage, layer_range
+from pagoda.model.tensor_parallel import (
+    SINGLE, TPGroup, VocabParallelEmbedding, check_tp_config, shard_tensor, split_for, vocab_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +61,16 @@ def check_config(config) -> None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+    """Under tensor parallelism, this rank's heads (see tensor_parallel): q/k/v column-parallel,
+    o_proj row-parallel and summed over the ranks."""
+
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        split = split_for(config, tp)
+        self.num_heads, self.num_kv_heads = split.q_count, split.kv_count
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -81,27 +89,29 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
         out = attn(self.layer_idx, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = split_for(config, tp).inter_count
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep, attn: AttentionContext
@@ -119,27 +129,53 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+    """Under pipeline parallelism, this stage's layers (the others are empty placeholders, so that
+    names keep their layer numbers); the embedding and the norm only on the stages that use them."""
+
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TPGroup = SINGLE, pp: PPStage = SINGLE_STAGE,
+                 tied_head: bool = False) -> None:
         super().__init__()
-        # Passing the (uninitialised) weight skips nn.Embedding's normal_() init: on the meta device that
-        # init goes through Python decompositions whose first use imports ~1.4 s of torch modules.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
-        )
+        self.pp = pp
+        self.hidden_size = config.hidden_size
+        self.first_layer, self.end_layer = layer_range(config.num_hidden_layers, pp.stage, pp.size)
+        if not pp.is_first and not (pp.is_last and tied_head):
+            self.embed_tokens = None
+        elif tp.size > 1:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        else:
+            # Passing the (uninitialised) weight skips nn.Embedding's normal_() init: on the meta device
+            # that init goes through Python decompositions whose first use imports ~1.4 s of torch modules.
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+            )
+        first, end = self.first_layer, self.end_layer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i - first, qkv_bias, qk_norm, tp) if first <= i < end else nn.Module()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(head_dim, rope_parameters(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor | None:
+        """Hidden states [T, H]; None on a stage before the last, which hands them to the next."""
+        pp = self.pp
+        if pp.is_first:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = pp.recv(input_ids.shape[0], self.hidden_size, self.rotary_dtype)
         rope = self.rotary.for_step(positions, h.dtype)
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.first_layer : self.end_layer]:
             h, residual = layer(h, residual, rope, attn)
+        if not pp.is_last:
+            pp.send(h, residual)
+            return None
         return self.norm(h) if residual is None else self.norm.add_forward(h, residual)[0]
+
+    @property
+    def rotary_dtype(self) -> torch.dtype:
+        """The activations' dtype: the parameters'."""
+        return next(self.parameters()).dtype
 
 
 # checkpoint name suffix -> (our parameter suffix, shard index within the merged parameter)
@@ -155,31 +191,49 @@ _MERGED = {
 class LlamaForCausalLM(nn.Module):
     """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
 
-    def __init__(self, config, architecture: str = "LlamaForCausalLM") -> None:
+    def __init__(self, config, architecture: str = "LlamaForCausalLM", tp: TPGroup = SINGLE,
+                 pp: PPStage = SINGLE_STAGE) -> None:
         super().__init__()
         check_config(config)
+        check_tp_config(config, tp.size)
         self.config = config
+        self.tp, self.pp = tp, pp
+        if config.num_hidden_layers < pp.size:
+            raise ValueError(f"pipeline_parallel_size {pp.size} exceeds the model's {config.num_hidden_layers} layers")
         qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
         qk_norm = architecture == "Qwen3ForCausalLM"
-        self.model = LlamaModel(config, qkv_bias, qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, qkv_bias, qk_norm, tp, pp, self.tie_word_embeddings)
+        rows = vocab_rows(config.vocab_size, tp)
+        has_head = pp.is_last and not self.tie_word_embeddings
+        self.lm_head = nn.Linear(config.hidden_size, rows, bias=False) if has_head else None
+        # Under TP the head gives this rank's slice of the vocabulary; the runner's packed head
+        # (exec/cpu_linear) gathers its output through this too. None: nothing to gather.
+        self.gather_logits = self._gather_logits if tp.size > 1 else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [T] for the step's flattened tokens; returns hidden states [T, H]."""
         return self.model(input_ids, positions, attn)
 
-    def lm_head_weight(self) -> torch.Tensor:
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """None on a pipeline stage before the last, which has no head."""
+        if not self.pp.is_last:
+            return None
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.lm_head_weight().t()
+        logits = hidden @ self.lm_head_weight().t()
+        return logits if self.gather_logits is None else self.gather_logits(logits)
+
+    def _gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's vocabulary slice, in order, without the last one's padding rows."""
+        return self.tp.all_gather_last(local)[..., : self.config.vocab_size]
 
     def _shard_sizes(self, merged: str) -> list[int]:
-        attn = self.model.layers[0].self_attn
+        attn = self.model.layers[self.model.first_layer].self_attn
         if merged == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = self.config.intermediate_size
+        inter = split_for(self.config, self.tp).inter_count
         return [inter, inter]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
@@ -188,13 +242,14 @@ class LlamaForCausalLM(nn.Module):
         loaded: dict[str, str] = {}  # "target#offset" -> the checkpoint name that filled it
         tied_head = None
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self._holds(name):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 if tied_head is not None:
                     raise ModelLoadError(f"{source}: tensor {name!r} appears more than once")
-                tied_head = tensor  # compared with the embedding once that is loaded
+                tied_head = shard_tensor(name, tensor, self.config, self.tp)  # compared with the embedding once loaded
                 continue
+            tensor = shard_tensor(name, tensor, self.config, self.tp)
             target, offset, rows = name, 0, None
             parts = name.rsplit(".", 2)
             if len(parts) == 3 and parts[1] in _MERGED:
@@ -231,6 +286,16 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"{source}: missing tensor(s) {names}{' ...' if len(missing) > 5 else ''}")
         if tied_head is not None:
             self._untie_if_different(tied_head, source)
+
+    def _holds(self, name: str) -> bool:
+        """Whether this pipeline stage holds checkpoint tensor `name` (every stage, without PP)."""
+        if self.pp.size == 1:
+            return True
+        if name.startswith("model.layers."):
+            return self.model.first_layer <= int(name.split(".")[2]) < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        return self.pp.is_last  # the final norm, lm_head
 
     def _untie_if_different(self, head: torch.Tensor, source: str) -> None:
         """The config ties the head to the embedding but the checkpoint also holds lm_head.weight. As

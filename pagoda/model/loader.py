@@ -229,7 +229,7 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def _build_on_meta(cls, config, arch: str, dtype: torch.dtype, where: Path | str) -> torch.nn.Module:
+def _build_on_meta(cls, config, arch: str, dtype: torch.dtype, where: Path | str, **parallel) -> torch.nn.Module:
     """The model without storage: no memory or time is spent on random init that weights overwrite.
     A config the model cannot follow is a ModelLoadError naming `where` (the file that says it)."""
     import torch
@@ -238,7 +238,7 @@ def _build_on_meta(cls, config, arch: str, dtype: torch.dtype, where: Path | str
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            return cls(config, arch)
+            return cls(config, arch, **parallel)  # parallel: tp, pp (a rank's shard, shard_loader)
     except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError, RuntimeError) as exc:
         raise ModelLoadError(f"{where}: cannot build {arch} from this config ({exc})") from None
     finally:
@@ -264,6 +264,21 @@ def _load_cached(folder: Path, source: ModelSource, dtype: torch.dtype, device: 
     load_params(net, folder / "model.safetensors", device)
     _materialize_rotary(net, device)
     return LoadedModel(net.eval(), config, arch, source, dtype)
+
+
+def describe_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+    """What load_model would return, without the weights (`model` is None): for a process that
+    sizes and schedules but leaves the weights to its workers."""
+    import torch
+
+    from pagoda.model.registry import resolve_architecture
+
+    device = torch.device(device)
+    source = resolve_model(model)
+    torch_dtype = resolve_dtype(dtype, device)
+    config = load_config(source)
+    arch, _ = resolve_architecture(config, str(source.path))
+    return LoadedModel(None, config, arch, source, torch_dtype)
 
 
 def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:

@@ -23,8 +23,17 @@ ENGINE_FLAGS = [
     "--dtype", "--kv-cache-dtype", "--device", "--seed", "--max-model-len", "--max-num-seqs",
     "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching", "--enable-chunked-prefill",
     "--long-prefill-token-threshold", "--scheduling-policy", "--kv-cache-memory", "--num-gpu-blocks-override",
-    "--gpu-memory-utilization", "--enforce-eager", "--max-logprobs",
+    "--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size", "--pipeline-parallel-size",
+    "--distributed-executor-backend", "--max-logprobs",
 ]
+
+
+def test_parallel_flags_take_vllms_short_names():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    ns = p.parse_args(["-tp", "2", "-pp", "3", "--distributed-executor-backend", "mp"])
+    assert (ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.distributed_executor_backend) == (2, 3, "mp")
+    assert p.parse_args([]).distributed_executor_backend is None
 
 
 def _subparser(*path: str) -> argparse.ArgumentParser:
