@@ -25,6 +25,7 @@ from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
+from pagoda.exec.spec_decode import make_spec_decoder
 from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.kv.manager import KVCacheManager
 from pagoda.model.loader import LoadedModel, load_model, load_tokenizer
@@ -79,6 +80,7 @@ class EngineCore:
             device=self.device,
             enforce_eager=args.enforce_eager,
             structured_outputs=StructuredOutputs(self._tokenizer_and_eos, config.vocab_size),
+            spec_decoder=make_spec_decoder(args, config.vocab_size, self.device),
         )
         # The front end's tokenizer when it runs in this process (set by LLMEngine); structured
         # outputs need one, and otherwise load their own on first use.
@@ -227,6 +229,8 @@ class EngineCore:
         # Tokens known when scheduled, so outputs before this step: num_tokens - num_prompt_tokens.
         known = {s.request_id: s.num_tokens for s in so.scheduled}
         changed = self.scheduler.update(so, result.sampled_token_ids)
+        if result.draft_token_ids:
+            self.scheduler.update_draft_token_ids(result.draft_token_ids)
         self.num_steps += 1
         if self.record_iteration_tokens:
             self.iteration_tokens.append(so.total_num_scheduled_tokens)
@@ -248,7 +252,7 @@ class EngineCore:
             out = EngineCoreOutput(
                 request_id=rid,
                 new_token_ids=list(new_ids),
-                new_logprobs=[lp] if lp is not None and new_ids else None,
+                new_logprobs=lp[: len(new_ids)] if lp is not None and new_ids else None,
                 finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
@@ -271,7 +275,7 @@ class EngineCore:
             if is_new:
                 resumed = requests[s.request_id].num_preemptions > 0
                 timelines[s.request_id].admitted(now, s.num_computed_tokens, resumed)
-            if is_new or s.num_new_tokens != 1 or s.num_computed_tokens + 1 < s.num_tokens:
+            if is_new or s.num_new_tokens - len(s.spec_token_ids) != 1 or s.num_computed_tokens + 1 < s.num_tokens:
                 timelines[s.request_id].prefill_chunk(now, s.num_computed_tokens, s.num_new_tokens)
         if so.preempted_request_ids:
             for rid in so.preempted_request_ids:
