@@ -25,7 +25,7 @@ from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
-from pagoda.exec.spec_decode import make_spec_decoder
+from pagoda.exec.spec_setup import make_spec_decoder
 from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.kv.manager import KVCacheManager
 from pagoda.model.loader import LoadedModel, load_model, load_tokenizer
@@ -80,7 +80,8 @@ class EngineCore:
             device=self.device,
             enforce_eager=args.enforce_eager,
             structured_outputs=StructuredOutputs(self._tokenizer_and_eos, config.vocab_size),
-            spec_decoder=make_spec_decoder(args, config.vocab_size, self.device),
+            spec_decoder=make_spec_decoder(args, config.vocab_size, self.device, self.kv_cache, self.max_model_len,
+                                           self.loaded.dtype),
         )
         # The front end's tokenizer when it runs in this process (set by LLMEngine); structured
         # outputs need one, and otherwise load their own on first use.

@@ -297,7 +297,8 @@ class ModelRunner:
             st.output_token_ids.extend(toks)
             st.num_tokens += len(toks)
         if self.spec is not None and self.spec.enabled_for(len(order)):
-            out.draft_token_ids = self.spec.propose([(rid, states[rid]) for rid in out.sampled_token_ids])
+            out.draft_token_ids = self.spec.propose([(rid, states[rid]) for rid in out.sampled_token_ids],
+                                                    self.structured_outputs)
         return out
 
     def _verify(self, idx: list[int], order: list[ScheduledRequest], hidden: torch.Tensor,
@@ -311,6 +312,11 @@ class ModelRunner:
         logits = self.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         reqs = [order[i] for i in idx]
         states = [self.requests[s.request_id] for s in reqs]
+        first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in reqs]).tolist()
+        constrained = [(first[n], s.request_id, st.sampling_params.structured_outputs, s.spec_token_ids)
+                       for n, (s, st) in enumerate(zip(reqs, states)) if st.sampling_params.structured_outputs]
+        if constrained:
+            self.structured_outputs.mask_drafted(logits, constrained)
         emitted, logprobs = self.spec.verify(
             logits, [(s, st, self._generator(s.request_id, st)) for s, st in zip(reqs, states)]
         )
@@ -318,6 +324,9 @@ class ModelRunner:
             out.sampled_token_ids[s.request_id] = toks
             if lps is not None:
                 out.logprobs[s.request_id] = lps
+        for _, rid, _, _ in constrained:
+            for tok in out.sampled_token_ids[rid]:
+                self.structured_outputs.accept(rid, tok)
 
     def _sample(self, sampling: list[int], order: list[ScheduledRequest], hidden: torch.Tensor,
                 meta: PagedAttentionMetadata, out: ModelRunnerOutput) -> None:

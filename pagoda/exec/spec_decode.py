@@ -10,8 +10,9 @@ drafts before it were already outputs (penalties and min_tokens see them), and
 Randomness: a seeded request draws its k + 1 uniforms from its own generator (k acceptance tests,
 then the final draw), so it reproduces whatever else is in the batch.
 
-Requests with structured outputs get no drafts: their grammar would have to mask every drafted
-position, which the matcher here (one state per request) does not do.
+Structured outputs: a request's drafts are cut to what its grammar allows, and the runner masks each
+drafted position with the grammar's state after the drafts before it
+(`pagoda.exec.structured_output`), so verification samples every position as plain decoding would.
 """
 
 from __future__ import annotations
@@ -76,14 +77,21 @@ class SpecDecoder:
         gate = self.config.disable_by_batch_size
         return gate is None or batch_size <= gate
 
-    def propose(self, rows: list[tuple[str, object]]) -> dict[str, list[int]]:
+    def propose(self, rows: list[tuple[str, object]], structured_outputs=None) -> dict[str, list[int]]:
         """Drafts for requests whose mirrors (prompt_token_ids, output_token_ids) already hold this
-        step's tokens. Structured-output requests get none."""
+        step's tokens; a structured-output request's are cut where its grammar refuses one."""
         drafts: dict[str, list[int]] = {}
+        batched = getattr(self.proposer, "propose_batch", None)
+        if batched is not None:  # the draft model: one batch of forwards for all requests
+            proposed = batched([(rid, st.prompt_token_ids, st.output_token_ids) for rid, st in rows])
         for rid, state in rows:
-            if state.sampling_params.structured_outputs is not None:
-                continue
-            d = self.proposer.propose(rid, state.prompt_token_ids, state.output_token_ids)
+            if batched is not None:
+                d = proposed.get(rid, [])
+            else:
+                d = self.proposer.propose(rid, state.prompt_token_ids, state.output_token_ids)
+            so = state.sampling_params.structured_outputs
+            if d and so is not None:
+                d = structured_outputs.valid_drafts(rid, so, d) if structured_outputs is not None else []
             if d:
                 drafts[rid] = d
         return drafts
@@ -150,14 +158,3 @@ class SpecDecoder:
                 u[i, :k] = own[:k]
                 u[i, kmax] = own[k]
         return u
-
-
-def make_spec_decoder(args, vocab_size: int, device: torch.device) -> SpecDecoder | None:
-    """The engine's speculative decoder from its `EngineArgs`, or None when speculation is off."""
-    config = args.speculative_config
-    if config is None:
-        return None
-    draft = None
-    if config.method == "draft_model":
-        raise ValueError("speculative method draft_model is not implemented yet; use ngram")
-    return SpecDecoder(config, vocab_size, device, draft)

@@ -134,9 +134,9 @@ SLOW_GREEDY32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 @pytest.mark.slow
 def test_smollm2_ngram_greedy_equals_transformers(smollm2_fp32, smollm2_prompt_ids, smollm2_hf_greedy32):
     # One run under all three at once (each costs ~50 s on 2 cores): chunked prefill with a budget of
-    # 8 tokens, which also cuts drafts; prefix caching (on by default); 24 usable blocks, which forces
-    # preemption of the 16 requests.
-    llm = make_engine(smollm2_fp32, speculative_config=NGRAM, max_num_batched_tokens=8, num_gpu_blocks_override=25)
+    # 16 tokens, which also cuts drafts; prefix caching (on by default); 11 usable blocks, which
+    # forces preemption of the 16 requests.
+    llm = make_engine(smollm2_fp32, speculative_config=NGRAM, max_num_batched_tokens=16, num_gpu_blocks_override=12)
     outs = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids], SLOW_GREEDY32, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == smollm2_hf_greedy32
     stats = llm.engine.core.stats()
@@ -200,3 +200,46 @@ def test_n2_children_speculate_independently(tiny_llama3_fp32, repeated_prompts,
     kv = llm.engine.core.kv_manager
     check_kv_invariants(kv)
     assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_random_draft(tmp_path_factory):
+    """Another random tiny Llama with the same vocabulary: a draft that is almost always wrong."""
+    from tests.tiny_models import save_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny_draft")
+    save_tiny_model("llama3", folder, seed=5)
+    return str(folder)
+
+
+@pytest.mark.parametrize("setting", [{}, {"blocks": 14}, {"max_num_batched_tokens": 16}],
+                         ids=["default", "preemption", "chunked"])
+def test_draft_model_greedy_equals_no_speculation(tiny_llama3_fp32, repeated_prompts, greedy_reference,
+                                                  tiny_random_draft, setting):
+    own = {"method": "draft_model", "model": str(tiny_llama3_fp32.source.path), "num_speculative_tokens": 3}
+    got, core = _generate(tiny_llama3_fp32, repeated_prompts, speculative_config=own, **setting)
+    assert got == greedy_reference
+    stats = core.stats()
+    # The model as its own draft: every draft is its own argmax, so every draft stands.
+    assert stats.spec_num_draft_tokens > 100 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    if "blocks" in setting:
+        assert stats.num_preemptions > 0
+    draft = core.runner.spec.proposer
+    assert not draft.states and len(draft.free_blocks) == core.kv_cache.num_blocks - 1  # every draft block back
+
+
+def test_tiny_random_draft_greedy_equals_no_speculation(tiny_llama3_fp32, repeated_prompts, greedy_reference,
+                                                        tiny_random_draft):
+    rnd = {"method": "draft_model", "model": tiny_random_draft, "num_speculative_tokens": 3}
+    got, core = _generate(tiny_llama3_fp32, repeated_prompts[:3], speculative_config=rnd, blocks=20)
+    assert got == greedy_reference[:3]
+    stats = core.stats()
+    assert stats.spec_num_draft_tokens > 100 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 10
+
+
+def test_draft_model_sampled_keeps_seeds(tiny_llama3_fp32, repeated_prompts):
+    own = {"method": "draft_model", "model": str(tiny_llama3_fp32.source.path), "num_speculative_tokens": 3}
+    seeded = SamplingParams(temperature=0.8, top_k=50, seed=11, max_tokens=24, ignore_eos=True)
+    a, core = _generate(tiny_llama3_fp32, repeated_prompts[:2], seeded, speculative_config=own)
+    b, _ = _generate(tiny_llama3_fp32, repeated_prompts[:2], seeded, speculative_config=own)
+    assert a == b and core.stats().spec_num_accepted_tokens > 0
