@@ -11,7 +11,10 @@ last token - time of the first), summed over the prompts. Batch: the prompts rep
 requests (each with a distinct first user line, so the prefix cache does not serve whole prompts),
 all submitted at once; output tok/s over the whole generate call.
 
-    python benchmarks/spec_decode.py --runs 3 [--modes off,ngram,ngram-gated] [--batch 64]
+    python benchmarks/spec_decode.py --dtype float32 --runs 3 [--modes off,ngram,ngram-gated,own-draft] [--batch 64]
+
+float32, because greedy equality across modes is exact there; in bfloat16, scoring several positions
+in one forward adds in another order than decoding them one by one, and near-ties may flip.
 """
 
 from __future__ import annotations
@@ -50,13 +53,19 @@ PROMPTS = [
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 MODES = {
     "off": None,
-    "ngram": NGRAM,
-    "ngram-gated": {**NGRAM, "disable_by_batch_size": 4},
+    "ngram": {**NGRAM, "disable_by_batch_size": None},  # never gated
+    "ngram-gated": NGRAM,  # the default gate
+    "own-draft": "own-draft",
 }
 
 
 def _engine(spec, args):
     from pagoda.engine.llm import LLM
+    from pagoda.model.loader import resolve_model
+
+    if spec == "own-draft":  # the target model as its own draft: every draft stands, at full price
+        spec = {"method": "draft_model", "model": str(resolve_model(args.model).path), "num_speculative_tokens": 4,
+                "disable_by_batch_size": None}
 
     return LLM(args.model, dtype=args.dtype, speculative_config=spec, max_num_seqs=args.batch,
                enable_prefix_caching=True)
@@ -115,7 +124,11 @@ def main() -> None:
     ap.add_argument("--modes", default="off,ngram,ngram-gated")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: single, batch")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="pin torch to N threads (on a shared machine a busy core stalls every parallel region)")
     args = ap.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     modes = args.modes.split(",")
     skip = set(filter(None, args.skip.split(",")))
 

@@ -21,6 +21,10 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _DTYPE_ALIASES = ("fp16", "bf16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Above this many requests in a step a CPU forward of B * (k + 1) tokens costs more than the drafts
+# save at ordinary acceptance rates: with k = 4, a batch of 4 costs 2.0x a plain decode step, a batch
+# of 8 2.7x, of 32 3.9x (docs/benchmarks.md, benchmarks/forward_cost.py).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,8 @@ class SpeculativeConfig:
     `prompt_lookup_max` tokens, found earlier in the request proposes the tokens that followed it
     (both default to 5, vLLM's choice, when neither is given). draft_model: `model`, a smaller model
     with the target's tokenizer. `disable_by_batch_size`: a step with more requests than this
-    proposes nothing (speculation costs more than it saves at large batches); None: never off.
+    proposes nothing (speculation costs more than it saves at large batches); default
+    DEFAULT_DISABLE_BY_BATCH_SIZE, measured on CPU; null (None): never off.
     """
 
     method: str
@@ -79,7 +84,8 @@ class SpeculativeConfig:
         model = value.get("model")
         if method == "draft_model" and not isinstance(model, str):
             raise ValueError("speculative_config: method draft_model needs \"model\", the draft model's path")
-        return cls(method, k, model, lo, hi, value.get("disable_by_batch_size"))
+        gate = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        return cls(method, k, model, lo, hi, gate)
 
 
 def _arg(default: object, help: str, **meta: object) -> object:

@@ -12,7 +12,9 @@ from pagoda import SamplingParams
 from pagoda.kv.invariants import check_kv_invariants
 from tests.conftest import make_engine
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# No load gate: these tests batch up to 16 requests and want drafts in every step.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": None}
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
@@ -216,7 +218,7 @@ def tiny_random_draft(tmp_path_factory):
                          ids=["default", "preemption", "chunked"])
 def test_draft_model_greedy_equals_no_speculation(tiny_llama3_fp32, repeated_prompts, greedy_reference,
                                                   tiny_random_draft, setting):
-    own = {"method": "draft_model", "model": str(tiny_llama3_fp32.source.path), "num_speculative_tokens": 3}
+    own = {"method": "draft_model", "model": str(tiny_llama3_fp32.source.path), "num_speculative_tokens": 3, "disable_by_batch_size": None}
     got, core = _generate(tiny_llama3_fp32, repeated_prompts, speculative_config=own, **setting)
     assert got == greedy_reference
     stats = core.stats()
@@ -230,7 +232,7 @@ def test_draft_model_greedy_equals_no_speculation(tiny_llama3_fp32, repeated_pro
 
 def test_tiny_random_draft_greedy_equals_no_speculation(tiny_llama3_fp32, repeated_prompts, greedy_reference,
                                                         tiny_random_draft):
-    rnd = {"method": "draft_model", "model": tiny_random_draft, "num_speculative_tokens": 3}
+    rnd = {"method": "draft_model", "model": tiny_random_draft, "num_speculative_tokens": 3, "disable_by_batch_size": None}
     got, core = _generate(tiny_llama3_fp32, repeated_prompts[:3], speculative_config=rnd, blocks=20)
     assert got == greedy_reference[:3]
     stats = core.stats()
@@ -238,8 +240,36 @@ def test_tiny_random_draft_greedy_equals_no_speculation(tiny_llama3_fp32, repeat
 
 
 def test_draft_model_sampled_keeps_seeds(tiny_llama3_fp32, repeated_prompts):
-    own = {"method": "draft_model", "model": str(tiny_llama3_fp32.source.path), "num_speculative_tokens": 3}
+    own = {"method": "draft_model", "model": str(tiny_llama3_fp32.source.path), "num_speculative_tokens": 3, "disable_by_batch_size": None}
     seeded = SamplingParams(temperature=0.8, top_k=50, seed=11, max_tokens=24, ignore_eos=True)
     a, core = _generate(tiny_llama3_fp32, repeated_prompts[:2], seeded, speculative_config=own)
     b, _ = _generate(tiny_llama3_fp32, repeated_prompts[:2], seeded, speculative_config=own)
     assert a == b and core.stats().spec_num_accepted_tokens > 0
+
+
+def test_load_gate_turns_drafts_off_above_the_batch_size(tiny_llama3_fp32, repeated_prompts, greedy_reference):
+    from pagoda.config import DEFAULT_DISABLE_BY_BATCH_SIZE, EngineArgs
+
+    assert EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config \
+        .disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    llm = make_engine(tiny_llama3_fp32, num_gpu_blocks_override=256, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    core = llm.engine.core
+    core.runner.spec.proposer = OracleProposer({tuple(p): o for p, o in zip(repeated_prompts, greedy_reference)})
+    sizes = []
+    original = core.scheduler.schedule
+
+    def spy():
+        out = original()
+        sizes.append((len(out.scheduled), sum(bool(s.spec_token_ids) for s in out.scheduled)))
+        return out
+
+    core.scheduler.schedule = spy
+    # Different lengths, so the batch shrinks from 6 to 1 as requests finish.
+    params = [GREEDY.clone(max_tokens=6 * (i + 1)) for i in range(6)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in repeated_prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [g[: 6 * (i + 1)] for i, g in enumerate(greedy_reference)]
+    # Drafts proposed in a step of more than 2 requests would show in the next step's rows.
+    assert any(n > 2 for n, _ in sizes) and any(d for _, d in sizes)
+    for (prev_n, _), (_, drafted) in zip(sizes, sizes[1:]):
+        if prev_n > 2:
+            assert drafted == 0
