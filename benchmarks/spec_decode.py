@@ -161,7 +161,7 @@ def main() -> None:
                 results[m][key].append(rate)
                 results[m].setdefault(part + "_acceptance", []).append(accepted / drafted if drafted else None)
                 results[m].setdefault(part + "_output_tokens", sum(map(len, out)))
-                acc = f", acceptance {100 * accepted / drafted:.1f}% of {drafted} drafts" if drafted else ""
+                acc = f", acceptance {100 * accepted / drafted:.1f}% of {drafted} draft tokens" if drafted else ""
                 print(f"run {run + 1}/{args.runs} {part} {m}: {rate:.1f} tok/s{acc}", flush=True)
 
     print(f"\ntorch threads {torch.get_num_threads()}; medians of {args.runs} runs")
