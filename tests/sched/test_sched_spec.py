@@ -114,3 +114,16 @@ def test_a8_abort_mid_speculation_and_preemption_drop_drafts():
     # Drafts for unknown requests are ignored.
     sched.update_draft_token_ids({"a": [1, 2]})
     assert not sched.has_unfinished_requests()
+
+
+def test_a8_a_step_with_drafts_round_trips_through_msgpack():
+    import msgspec
+
+    from pagoda.contracts.step import SchedulerOutput
+
+    sched, kv = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=64)
+    _decoding(sched, kv)
+    sched.update_draft_token_ids({"a": [201, 202]})
+    out = sched.schedule()
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=SchedulerOutput)
+    assert back == out and back.scheduled[0].spec_token_ids == [201, 202]
