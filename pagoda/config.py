@@ -9,6 +9,7 @@ for `name`, with the help and choices given in each field's metadata. A field wh
 
 from __future__ import annotations
 
+import json
 import re
 import typing
 from dataclasses import dataclass, field, fields
@@ -20,6 +21,73 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _DTYPE_ALIASES = ("fp16", "bf16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Above this many requests in a step a CPU forward of B * (k + 1) tokens costs more than the drafts
+# save at ordinary acceptance rates: with k = 4, a batch of 4 costs 2.0x a plain decode step, a batch
+# of 8 2.7x, of 32 3.9x (docs/benchmarks.md, benchmarks/forward_cost.py).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's `--speculative-config` keys: `method` proposes up to
+    `num_speculative_tokens` draft tokens per request and step, which one target forward verifies.
+
+    ngram (prompt lookup): the longest suffix of the context, between `prompt_lookup_min` and
+    `prompt_lookup_max` tokens, found earlier in the request proposes the tokens that followed it
+    (both default to 5, vLLM's choice, when neither is given). draft_model: `model`, a smaller model
+    with the target's tokenizer. `disable_by_batch_size`: a step with more requests than this
+    proposes nothing (speculation costs more than it saves at large batches); default
+    DEFAULT_DISABLE_BY_BATCH_SIZE, measured on CPU; null (None): never off.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig") -> "SpeculativeConfig":
+        """From JSON text, a dict or a config; raises ValueError with one line saying what is wrong."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        method = value.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        for key in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            v = value.get(key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {v!r}")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if method == "ngram":
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
+        model = value.get("model")
+        if method == "draft_model" and not isinstance(model, str):
+            raise ValueError("speculative_config: method draft_model needs \"model\", the draft model's path")
+        gate = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        return cls(method, k, model, lo, hi, gate)
 
 
 def _arg(default: object, help: str, **meta: object) -> object:
@@ -66,6 +134,14 @@ class EngineArgs:
         "or ray; default: uni for one rank, else mp", choices=EXECUTOR_BACKENDS,
     )
     max_logprobs: int = _arg(20, "the most logprobs (and prompt logprobs) a request may ask for; -1: the vocabulary")
+    # JSON on the command line, a dict (or SpeculativeConfig) from Python; a SpeculativeConfig after __post_init__.
+    speculative_config: SpeculativeConfig | dict | str | None = _arg(
+        None,
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(keys: method ngram|draft_model, num_speculative_tokens, model, prompt_lookup_min, prompt_lookup_max, "
+        "disable_by_batch_size); default: off",
+        cli="json",
+    )
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -105,6 +181,9 @@ class EngineArgs:
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                 f"got {self.distributed_executor_backend!r}"
             )
+
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

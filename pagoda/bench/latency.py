@@ -34,7 +34,7 @@ def _token_times_pagoda(runner: PagodaRunner, prompt_ids: list[int], output_len:
         for out in engine.step():
             n = len(out.outputs[0].token_ids)
             now = time.perf_counter()
-            times.extend([now] * (n - seen))  # a step may add several tokens (it never does today)
+            times.extend([now] * (n - seen))  # a step may add several tokens (speculative decoding)
             seen = n
     runner.reset_prefix_cache()
     return start, times
@@ -122,6 +122,7 @@ def run_latency(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[s
     if hf is not None:
         _token_times_hf(hf, warm, 4)
 
+    drafted0, accepted0 = pagoda.spec_counts()
     results = []
     for n in lens:
         p_runs, h_runs = [], []
@@ -155,6 +156,10 @@ def run_latency(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[s
             ]
         rows.append(row)
     print(format_table(header, rows))
+    drafted, accepted = (a - b for a, b in zip(pagoda.spec_counts(), (drafted0, accepted0)))
+    acceptance = accepted / drafted if drafted else None
+    if acceptance is not None:
+        print(f"speculative decoding: acceptance rate {100 * acceptance:.1f}% ({accepted:,} of {drafted:,} draft tokens)")
     record = {
         "benchmark": "latency",
         "argv": invocation("latency"),
@@ -164,6 +169,7 @@ def run_latency(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[s
         "device": str(device),
         "engine_args": engine_kwargs,
         "results": results,
+        "spec_decode_acceptance_rate": acceptance,
         "env": environment(),
     }
     if ns.json:

@@ -47,6 +47,13 @@ class RunStats:
     prompt_tokens: int
     output_tokens: int
     cached_prompt_tokens: int = 0  # prefix-cache hits (Pagoda only)
+    # Speculative decoding (Pagoda only): draft tokens verified and accepted during the run.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
     def requests_per_s(self) -> float:
@@ -66,6 +73,7 @@ class RunStats:
             "requests_per_s": self.requests_per_s,
             "output_tokens_per_s": self.output_tokens_per_s,
             "total_tokens_per_s": self.total_tokens_per_s,
+            "acceptance_rate": self.acceptance_rate,
         }
 
 
@@ -154,7 +162,13 @@ class PagodaRunner:
         self._generate(reqs)
         self.reset_prefix_cache()
 
+    def spec_counts(self) -> tuple[int, int]:
+        """(draft tokens verified, accepted) since the engine started."""
+        s = self.llm.engine.core.stats()
+        return s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+
     def run(self, workload: Workload) -> tuple[RunStats, list[list[int]]]:
+        drafted0, accepted0 = self.spec_counts()
         _sync(self.device)
         t0 = time.perf_counter()
         outs = self._generate(workload.requests)
@@ -167,7 +181,9 @@ class PagodaRunner:
             if len(out.prompt_token_ids) != len(req.prompt_ids):
                 raise BenchError(f"pagoda: request {i} has {len(out.prompt_token_ids)} prompt tokens, sent {len(req.prompt_ids)}")
         cached = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outs)
-        stats = RunStats(elapsed, len(outs), workload.num_prompt_tokens, sum(map(len, tokens)), cached)
+        drafted, accepted = self.spec_counts()
+        stats = RunStats(elapsed, len(outs), workload.num_prompt_tokens, sum(map(len, tokens)), cached,
+                         drafted - drafted0, accepted - accepted0)
         self.reset_prefix_cache()
         return stats, tokens
 
@@ -353,6 +369,9 @@ def run_throughput(ns: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
             f"pagoda / transformers: {record['ratio']['total_tokens_per_s']:.2f}x total tokens/s "
             f"(median of {ns.runs} run{'s' if ns.runs > 1 else ''}; transformers at its fastest batch size)"
         )
+    if p_med.acceptance_rate is not None:
+        print(f"speculative decoding: acceptance rate {100 * p_med.acceptance_rate:.1f}% "
+              f"({p_med.accepted_draft_tokens:,} of {p_med.draft_tokens:,} draft tokens)")
     if p_med.cached_prompt_tokens:
         print(f"prefix cache: {p_med.cached_prompt_tokens:,} of {p_med.prompt_tokens:,} prompt tokens reused")
     if ns.json:

@@ -64,6 +64,11 @@ class EngineCoreStats(msgspec.Struct, omit_defaults=True):
     num_free_blocks: int = 0
     num_steps: int = 0
     num_aborted_requests: int = 0  # aborts that found the request still in the core
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters; see contracts/step.py).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
     pid: int = 0
 
 

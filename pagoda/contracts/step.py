@@ -40,8 +40,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
     request_id: str
     num_computed_tokens: int  # before this step, after cache hits
+    # Known tokens plus draft tokens (spec_token_ids): what the step computes and the budget counts.
     num_new_tokens: int
-    # The token ids of those positions: this step's input for the request (mostly one, a decode).
+    # The ids of the known tokens among them: this step's input for the request (mostly one, a decode).
     new_token_ids: list[int]
     new_block_ids: list[int]
     # The whole block table, a copy: the runner may keep or extend it.
@@ -53,6 +54,10 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     prompt_logprobs_from: int | None = None
     # Set when the runner must (re)build its state for the request; None on every later step.
     new_request: NewRequestData | None = None
+    # Speculative decoding: draft tokens that follow new_token_ids in this step's input, their KV
+    # slots allocated with it. The runner verifies them and returns the accepted ones plus one more;
+    # the scheduler gives the rejected ones' slots back in update().
+    spec_token_ids: list[int] = msgspec.field(default_factory=list)
 
     @property
     def is_new(self) -> bool:
@@ -68,7 +73,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         # The default repr would print whole prompts.
         return (
             f"ScheduledRequest({self.request_id!r}, computed={self.num_computed_tokens}, "
-            f"new={self.num_new_tokens}, new_blocks={self.new_block_ids}, is_new={self.is_new})"
+            f"new={self.num_new_tokens}, spec={len(self.spec_token_ids)}, new_blocks={self.new_block_ids}, "
+            f"is_new={self.is_new})"
         )
 
 
@@ -96,3 +102,9 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Speculative decoding, counted since the start (vLLM's spec_decode_* counters): verified rows,
+    # draft tokens scored, draft tokens accepted, and accepted drafts by position in the draft.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)

@@ -28,6 +28,7 @@ from pagoda.exec.cpu_memory import heap_free_bytes, trim_heap
 from pagoda.exec.executor import Executor, UniExecutor, check_parallel_config, resolve_backend
 from pagoda.exec.model_runner import ModelRunner
 from pagoda.exec.paged_attention import PagedKVCache
+from pagoda.exec.spec_setup import make_spec_decoder
 from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.kv.manager import KVCacheManager
 from pagoda.kv.working_set import WorkingSetTrimmer
@@ -58,6 +59,9 @@ class EngineCore:
         check_parallel_config(tp, pp, backend, self.device)
         if backend == "uni":
             self.loaded = loaded or load_model(args.model, args.dtype, self.device)
+        elif args.speculative_config is not None:
+            raise ValueError(f"speculative decoding runs in one process only (--distributed-executor-backend uni), "
+                             f"not with {backend!r}")
         else:  # the workers load their shards; this process needs the config only
             self.loaded = describe_model(args.model, args.dtype, self.device)
             check_parallel_config(tp, pp, backend, self.device, self.loaded.config)
@@ -100,6 +104,8 @@ class EngineCore:
                 device=self.device,
                 enforce_eager=args.enforce_eager,
                 structured_outputs=StructuredOutputs(self._tokenizer_and_eos, config.vocab_size),
+                spec_decoder=make_spec_decoder(args, config.vocab_size, self.device, self.kv_cache,
+                                               self.max_model_len, self.loaded.dtype),
             )
             self.executor = UniExecutor(self.runner)
         else:
@@ -281,6 +287,8 @@ class EngineCore:
         # Tokens known when scheduled, so outputs before this step: num_tokens - num_prompt_tokens.
         known = {s.request_id: s.num_tokens for s in so.scheduled}
         changed = self.scheduler.update(so, result.sampled_token_ids)
+        if result.draft_token_ids:
+            self.scheduler.update_draft_token_ids(result.draft_token_ids)
         self.num_steps += 1
         if self.kv_trimmer is not None:
             self.trim_kv_memory()
@@ -304,7 +312,7 @@ class EngineCore:
             out = EngineCoreOutput(
                 request_id=rid,
                 new_token_ids=list(new_ids),
-                new_logprobs=[lp] if lp is not None and new_ids else None,
+                new_logprobs=lp[: len(new_ids)] if lp is not None and new_ids else None,
                 finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
@@ -327,7 +335,7 @@ class EngineCore:
             if is_new:
                 resumed = requests[s.request_id].num_preemptions > 0
                 timelines[s.request_id].admitted(now, s.num_computed_tokens, resumed)
-            if is_new or s.num_new_tokens != 1 or s.num_computed_tokens + 1 < s.num_tokens:
+            if is_new or s.num_new_tokens - len(s.spec_token_ids) != 1 or s.num_computed_tokens + 1 < s.num_tokens:
                 timelines[s.request_id].prefill_chunk(now, s.num_computed_tokens, s.num_new_tokens)
         if so.preempted_request_ids:
             for rid in so.preempted_request_ids:
@@ -370,6 +378,10 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            spec_num_drafts=s.spec_num_drafts,
+            spec_num_draft_tokens=s.spec_num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=s.spec_num_accepted_tokens_per_pos,
             num_blocks=kv.num_blocks,
             num_usable_blocks=kv.num_usable_blocks,
             num_free_blocks=kv.num_free_blocks,

@@ -4,7 +4,8 @@ Each field `name` becomes `--name-with-dashes` with the field's default, its met
 choices, and a type taken from the annotation (`int`, `float`, `str`, or one of them `| None`);
 a `bool` becomes `--name / --no-name` (argparse.BooleanOptionalAction), so `--enforce-eager` and
 `--no-enable-prefix-caching` read as vLLM's. Fields marked `"cli": "subcommand"` (`model`,
-`served_model_name`) are declared by the subcommands themselves. `engine_kwargs` reads the same
+`served_model_name`) are declared by the subcommands themselves; `"cli": "json"` fields
+(`--speculative-config`) take JSON text, which `EngineArgs` parses. `engine_kwargs` reads the same
 fields back from the parsed namespace.
 """
 
@@ -61,7 +62,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine")
     for f in engine_flag_fields():
-        kind = _value_type(hints[f.name])
+        # A JSON flag's text is parsed by EngineArgs itself, which names what is wrong in one line.
+        kind = str if f.metadata.get("cli") == "json" else _value_type(hints[f.name])
         help_text = f.metadata.get("help")
         if help_text is None:
             raise TypeError(f"EngineArgs.{f.name} has no help text in its metadata")

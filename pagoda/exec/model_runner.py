@@ -26,6 +26,7 @@ from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
 from pagoda.exec.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
+from pagoda.exec.spec_decode import SpecDecoder
 from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.model.attention import AttentionContext
 from pagoda.sampling_params import SamplingParams
@@ -47,11 +48,14 @@ def make_attention_backend(kv_cache: PagedKVCache):
 
 @dataclass
 class ModelRunnerOutput:
+    # request id -> the tokens it gained: one, or with speculation the accepted drafts and one more.
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # request id -> (token ids, logprobs): the sampled token first, then the top-N alternatives.
-    logprobs: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # request id -> one (token ids, logprobs) per sampled token: that token first, then the top-N.
+    logprobs: dict[str, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
     # request id -> (first prompt position, one row per position from there): see prompt_logprobs.py.
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprobRow]]] = field(default_factory=dict)
+    # Speculative decoding: request id -> draft tokens to follow its sampled ones, for the next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class _BlockTables:
@@ -81,7 +85,7 @@ class _CachedRequest:
     and prompt logprobs read) and its block-table row, with how much of that row is filled."""
 
     __slots__ = ("prompt_token_ids", "output_token_ids", "num_tokens", "sampling_params", "eos_token_id",
-                 "row", "num_blocks")
+                 "row", "num_blocks", "had_drafts")
 
     def __init__(self, prompt_token_ids: list[int], output_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None, row: int) -> None:
@@ -92,6 +96,9 @@ class _CachedRequest:
         self.eos_token_id = eos_token_id
         self.row = row
         self.num_blocks = 0  # entries of the row written so far (a kept row is rewritten)
+        # The last step carried drafts, so the scheduler may have given back (and since replaced)
+        # the blocks past the verified tokens: those entries of the row are rewritten.
+        self.had_drafts = False
 
 
 class ModelRunner:
@@ -105,9 +112,11 @@ class ModelRunner:
         device: torch.device,
         enforce_eager: bool = False,
         structured_outputs: StructuredOutputs | None = None,
+        spec_decoder: SpecDecoder | None = None,
     ) -> None:
         self.model = model
         self.structured_outputs = structured_outputs
+        self.spec = spec_decoder
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.vocab_size = vocab_size
@@ -143,6 +152,8 @@ class ModelRunner:
         for rid in request_ids:
             self.block_tables.drop(rid)
             self.requests.pop(rid, None)  # a resumed request comes back with its tokens
+            if self.spec is not None:
+                self.spec.drop(rid)
             if not keep_generator:
                 self.generators.pop(rid, None)
                 if self.structured_outputs is not None:
@@ -162,7 +173,7 @@ class ModelRunner:
         """Bring the per-request mirrors up to this step; returns their block-table rows.
 
         New and resumed requests get a fresh mirror. The others are extended by the tokens this step
-        computes that they have not seen (those sampled last step), so at sampling time a row's
+        computes that they have not seen (execute() adds those it samples), so at sampling time a row's
         history is exactly its request's tokens. Block tables get the step's new blocks.
         """
         states = self.requests
@@ -179,10 +190,13 @@ class ModelRunner:
             else:
                 state = states[s.request_id]
                 c = s.num_computed_tokens
-                end = c + s.num_new_tokens
+                end = c + len(s.new_token_ids)
                 if end > state.num_tokens:
                     state.output_token_ids.extend(s.new_token_ids[state.num_tokens - c :])
                     state.num_tokens = end
+                if state.had_drafts:
+                    state.num_blocks = min(state.num_blocks, c // self.block_size)
+            state.had_drafts = bool(s.spec_token_ids)
             block_ids = s.block_ids
             nb = len(block_ids)
             if nb > state.num_blocks:
@@ -213,6 +227,8 @@ class ModelRunner:
             for s, row in zip(order, rows):
                 c, n = s.num_computed_tokens, s.num_new_tokens
                 tokens.extend(s.new_token_ids)
+                if s.spec_token_ids:
+                    tokens.extend(s.spec_token_ids)
                 pos = np.arange(c, c + n, dtype=np.int64)
                 pos_parts.append(pos)
                 slot_parts.append(table[row, pos // bs] * bs + pos % bs)
@@ -269,6 +285,54 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(order) if s.samples]
         if not sampling:
             return out  # every request is mid-prompt: nothing to sample
+        speculated = [i for i in sampling if order[i].spec_token_ids] if self.spec is not None else []
+        if speculated:
+            sampling = [i for i in sampling if not order[i].spec_token_ids]
+            self._verify(speculated, order, hidden, meta, out)
+        if sampling:
+            self._sample(sampling, order, hidden, meta, out)
+        # The mirrors learn the sampled tokens now (the next step's rows carry them again), so a
+        # proposer reads each request's whole history.
+        states = self.requests
+        for rid, toks in out.sampled_token_ids.items():
+            st = states[rid]
+            st.output_token_ids.extend(toks)
+            st.num_tokens += len(toks)
+        if self.spec is not None and self.spec.enabled_for(len(order)):
+            out.draft_token_ids = self.spec.propose([(rid, states[rid]) for rid in out.sampled_token_ids],
+                                                    self.structured_outputs)
+        return out
+
+    def _verify(self, idx: list[int], order: list[ScheduledRequest], hidden: torch.Tensor,
+                meta: PagedAttentionMetadata, out: ModelRunnerOutput) -> None:
+        """Rows that carried drafts: score every drafted position, keep what verification accepts."""
+        qsl = meta.query_start_loc_cpu
+        rows = []
+        for i in idx:
+            k = len(order[i].spec_token_ids)
+            rows.extend(range(qsl[i + 1] - 1 - k, qsl[i + 1]))
+        logits = self.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        reqs = [order[i] for i in idx]
+        states = [self.requests[s.request_id] for s in reqs]
+        first = np.cumsum([0] + [len(s.spec_token_ids) + 1 for s in reqs]).tolist()
+        constrained = [(first[n], s.request_id, st.sampling_params.structured_outputs, s.spec_token_ids)
+                       for n, (s, st) in enumerate(zip(reqs, states)) if st.sampling_params.structured_outputs]
+        if constrained:
+            self.structured_outputs.mask_drafted(logits, constrained)
+        emitted, logprobs = self.spec.verify(
+            logits, [(s, st, self._generator(s.request_id, st)) for s, st in zip(reqs, states)]
+        )
+        for s, toks, lps in zip(reqs, emitted, logprobs):
+            out.sampled_token_ids[s.request_id] = toks
+            if lps is not None:
+                out.logprobs[s.request_id] = lps
+        for _, rid, _, _ in constrained:
+            for tok in out.sampled_token_ids[rid]:
+                self.structured_outputs.accept(rid, tok)
+
+    def _sample(self, sampling: list[int], order: list[ScheduledRequest], hidden: torch.Tensor,
+                meta: PagedAttentionMetadata, out: ModelRunnerOutput) -> None:
+        """Rows without drafts: one token each from the last position's logits."""
         if len(sampling) == meta.num_decodes == len(order):
             logits = self.compute_logits(hidden)  # one row per request, all sampled: no gather
         else:
@@ -305,8 +369,7 @@ class ModelRunner:
             for row, (s, st) in enumerate(zip(reqs, states)):
                 n = st.sampling_params.logprobs
                 if n is not None:
-                    out.logprobs[s.request_id] = (ids[row][: 1 + n], lps[row][: 1 + n])
-        return out
+                    out.logprobs[s.request_id] = [(ids[row][: 1 + n], lps[row][: 1 + n])]
 
     def _prompt_logprobs(self, wanted: list[tuple[int, ScheduledRequest]], hidden: torch.Tensor,
                          meta: PagedAttentionMetadata, out: ModelRunnerOutput) -> None:

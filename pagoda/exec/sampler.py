@@ -105,9 +105,45 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=lp, logprob_token_ids=ids)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, owned: bool) -> torch.Tensor:
+        greedy, probs = self._filtered(logits, meta, owned)
+        if probs is None:
+            return greedy
+        random = sample_from_probs(probs, _uniforms(meta, probs.device))
+        if greedy is None:
+            return random
+        return torch.where(meta.greedy_mask, greedy, random)
+
+    def distributions(
+        self, logits: torch.Tensor, meta: SamplingMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """What each row samples from, for speculative verification: (the greedy rows' argmax, or
+        None when no row is greedy; [B, V] normalised probabilities after penalties, temperature,
+        top-k, top-p and min-p, greedy rows one-hot at their argmax, or None when every row is
+        greedy; the raw logprobs when a row asks for logprobs, else None)."""
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if meta.needs_logprobs else None
+        if meta.no_penalties:
+            owned = logits.dtype != torch.float32
+            logits = logits.float()
+        else:
+            owned = True
+            logits = _apply_penalties_(logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True), meta)
+        greedy, probs = self._filtered(logits, meta, owned)
+        if probs is None:
+            return greedy, None, raw_logprobs
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalised
+        if greedy is not None:
+            one_hot = torch.zeros_like(probs).scatter_(1, greedy.unsqueeze(1), 1.0)
+            probs = torch.where(meta.greedy_mask.unsqueeze(1), one_hot, probs)
+        return (None if meta.all_random else greedy), probs, raw_logprobs
+
+    def _filtered(
+        self, logits: torch.Tensor, meta: SamplingMetadata, owned: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(argmax, or None when no row is greedy; the random rows' unnormalised probabilities after
+        temperature and the filters, or None when every row is greedy)."""
         greedy = None if meta.all_random else greedy_ids(logits)
         if meta.all_greedy:
-            return greedy
+            return greedy, None
 
         if meta.temperature is not None:
             # Never 0 here: greedy rows carry 1.0 (their token comes from `greedy`). The division
@@ -121,11 +157,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if meta.min_p is not None:
             apply_min_p(probs, meta.min_p)
-        random = sample_from_probs(probs, _uniforms(meta, probs.device))
-
-        if greedy is None:
-            return random
-        return torch.where(meta.greedy_mask, greedy, random)
+        return greedy, probs
 
 
 def _uniforms(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:

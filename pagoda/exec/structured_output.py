@@ -7,6 +7,9 @@ Grammars (JSON schema, regex, choice, Lark/GBNF) are compiled and matched by llg
 masks take a few hundred microseconds per row: only rows that ask for structured outputs pay. One
 matcher per sequence lives here between steps and consumes each token the row samples, so it is kept
 across a preemption (the recomputed tokens are not sampled again) and dropped when the request ends.
+
+With speculative decoding, drafts are cut to the prefix the grammar allows (`valid_drafts`) and each
+drafted position is masked with the grammar's state after the drafts before it (`mask_drafted`).
 """
 
 from __future__ import annotations
@@ -121,6 +124,39 @@ class StructuredOutputs:
                 # A complete grammar allows EOS alone, which ends the request (unless ignore_eos).
                 matcher.unsafe_compute_mask_ptr(bitmask[row].ctypes.data, words * 4)
             masked.append(row)
+        if masked:
+            apply_bitmask_(logits, bitmask, masked)
+
+    def valid_drafts(self, request_id: str, params: StructuredOutputsParams, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar allows after the request's tokens."""
+        try:
+            m = self.matcher(request_id, params)
+        except Exception:
+            return []  # mask() reports it and ends the request
+        return [] if m.is_stopped() else drafts[: m.validate_tokens(drafts)]
+
+    def mask_drafted(self, logits: torch.Tensor, rows: list[tuple[int, str, StructuredOutputsParams, list[int]]]) -> None:
+        """Speculative rows: rows (first, request id, params, drafts); logits row first + j gets the
+        mask after the request's tokens and drafts[:j]. The matcher consumes the drafts to compute
+        the masks and rolls them back: accept() then takes the tokens verification keeps."""
+        words = (self.vocab_size + 31) // 32
+        bitmask = np.zeros((logits.shape[0], words), dtype=np.int32)
+        masked = []
+        for first, request_id, params, drafts in rows:
+            m = self.matcher(request_id, params)  # it exists: the drafts were checked against it
+            consumed = 0
+            for j in range(len(drafts) + 1):
+                if consumed == j:
+                    m.unsafe_compute_mask_ptr(bitmask[first + j].ctypes.data, words * 4)
+                    if j < len(drafts) and m.consume_token(drafts[j]):
+                        consumed += 1
+                else:
+                    # Past a draft the grammar refuses, which is masked out above, so verification
+                    # never reaches this row; the previous mask keeps its logits finite.
+                    bitmask[first + j] = bitmask[first + j - 1]
+                masked.append(first + j)
+            if consumed:
+                m.rollback(consumed)
         if masked:
             apply_bitmask_(logits, bitmask, masked)
 

@@ -193,6 +193,25 @@ class KVCacheManager:
         )
         self.num_cached_blocks[rid] = num_full
 
+    def free_tail(self, request: KVRequest, num_tokens: int) -> int:
+        """Give back the blocks past the first `num_tokens` tokens' (slots allocated for draft
+        tokens that were rejected). Those blocks hold no verified token, so none is published or
+        shared. Returns how many were freed."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if blocks is None:
+            return 0
+        keep = -(-num_tokens // self.block_size)
+        if len(blocks) <= keep:
+            return 0
+        if keep < self.num_cached_blocks[rid]:
+            raise ValueError(f"{rid}: cannot free published blocks (keeping {keep} of {self.num_cached_blocks[rid]})")
+        tail = blocks[keep:]
+        del blocks[keep:]
+        del self.req_to_block_ids[rid][keep:]
+        self.block_pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def free(self, request: KVRequest) -> None:
         """Release the request's blocks, tail first, so shared prefixes are evicted after tails.
 

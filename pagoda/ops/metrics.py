@@ -70,6 +70,16 @@ class _CoreStatsCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions (recompute) by the scheduler.", s.num_preemptions)
+        yield counter("spec_decode_num_drafts", "Speculative steps of a request (rows with draft tokens).",
+                      s.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
 
     def describe(self) -> Iterable:
         return self.collect()

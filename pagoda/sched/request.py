@@ -121,6 +121,9 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
+        # Speculative decoding: draft tokens proposed after the last step, scheduled (and consumed)
+        # by the next one; never part of all_token_ids until verified.
+        self.spec_token_ids: list[int] = []
         # SamplingParams.prompt_logprobs: the prompt tokens' logprobs come from the rows the model
         # computes for them, so until they are all known the request reads no cached prefix (a hit's
         # rows are never computed). The rows are the engine core's; the request keeps only where they

@@ -6,6 +6,13 @@ chunks, in admission order), then admits waiting requests in policy order. When 
 it preempts by recompute. update() takes the sampled tokens back, applies stop conditions and frees
 finished requests.
 
+Speculative decoding: the runner proposes draft tokens for a request (`update_draft_token_ids`); a
+request whose known tokens are all scheduled takes its drafts along in the next step, counted against
+the token budget and given KV slots like any token. update() gets back the accepted drafts plus one
+token, counts the rejected ones out of num_computed_tokens and gives back the blocks that only they
+needed; since blocks are published only up to num_computed_tokens, a block's hash enters the cache
+only once all its tokens are verified.
+
 Each schedule() must be followed by exactly one update() with that output before the next
 schedule(): num_computed_tokens only advances in update().
 
@@ -23,6 +30,7 @@ from pagoda.kv.manager import KVCacheManager
 from pagoda.sched.config import SchedulerConfig
 from pagoda.sched.queues import make_waiting_queue
 from pagoda.sched.request import Request, RequestStatus
+from pagoda.sched.spec_stats import SpecDecodeCounters
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -36,6 +44,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self._finished_ids: list[str] = []  # since the last schedule()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeCounters()
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -116,6 +125,7 @@ class Scheduler:
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
             num_preemptions=self.num_preemptions,
+            **self.spec_stats.as_fields(),
         )
 
     # -- one step ----------------------------------------------------------------------------
@@ -148,6 +158,17 @@ class Scheduler:
                 num_new = cap
             if num_new > budget:
                 num_new = budget
+            spec = request.spec_token_ids
+            if spec:
+                request.spec_token_ids = []  # proposed for this step only
+                if num_new == num_tokens - num_computed:
+                    # All known tokens fit: the drafts follow, within the budget, and never past the
+                    # output cap (a draft there could not be kept; the last token is sampled on top).
+                    room = request.stop_conditions.max_output_tokens - request.num_output_tokens - 1
+                    spec = spec[: max(0, min(budget - num_new, room))]
+                    num_new += len(spec)
+                else:
+                    spec = []
             block_ids = tables[rid]
             if num_computed + num_new <= len(block_ids) * bs:
                 new_block_ids: list[int] | None = []  # decode inside its last block: no call needed
@@ -159,12 +180,14 @@ class Scheduler:
                     budget = cfg.max_num_batched_tokens - sum(num_scheduled.values())
                 if new_block_ids is None:
                     continue  # the request preempted itself; running[i] is now the next one
-            scheduled.append(
-                ScheduledRequest(
-                    rid, num_computed, num_new, all_ids[num_computed : num_computed + num_new],
-                    new_block_ids, block_ids[:], num_tokens, request.prompt_logprobs_from,
-                )
+            num_known = num_new - len(spec)
+            row = ScheduledRequest(
+                rid, num_computed, num_new, all_ids[num_computed : num_computed + num_known],
+                new_block_ids, block_ids[:], num_tokens, request.prompt_logprobs_from,
             )
+            if spec:
+                row.spec_token_ids = spec
+            scheduled.append(row)
             num_scheduled[rid] = num_new
             budget -= num_new
             i += 1
@@ -254,6 +277,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: free the blocks, keep every token, wait at the front."""
         self.kv.free(request)  # publishes its computed full blocks first: the resume can hit them
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -280,6 +304,13 @@ class Scheduler:
             # taken since by a new request, which waits (it cannot be in this step).
             if request is None or request.status is not _RUNNING:
                 continue
+            if sched.spec_token_ids:
+                status = self._update_speculated(request, sched, sampled_token_ids.get(request.request_id))
+                changed.append(request)
+                if status is not None:
+                    request.status = status
+                    finished.append(request)
+                continue
             request.num_computed_tokens += sched.num_new_tokens
             if caching and request.num_computed_tokens // bs > num_cached[request.request_id]:
                 kv.cache_blocks(request)
@@ -299,3 +330,34 @@ class Scheduler:
             for request in finished:
                 self._finish(request, request.status)
         return changed
+
+    def _update_speculated(self, request: Request, sched: ScheduledRequest, token_ids: list[int] | None) -> RequestStatus | None:
+        """A row that carried drafts: `token_ids` are the accepted drafts and one token more."""
+        kv = self.kv
+        spec = sched.spec_token_ids
+        if not token_ids:
+            raise RuntimeError(f"request {request.request_id!r} was verified but the runner returned no token")
+        num_accepted = len(token_ids) - 1
+        if num_accepted > len(spec) or token_ids[:num_accepted] != spec[:num_accepted]:
+            raise RuntimeError(f"request {request.request_id!r}: the runner accepted tokens it was not given")
+        self.spec_stats.add(len(spec), num_accepted)
+        # The KV of the known tokens and of the accepted drafts is valid; that of the rejected is not.
+        request.num_computed_tokens += sched.num_new_tokens - (len(spec) - num_accepted)
+        status = request.append_until_stop(token_ids)
+        # A stop may have cut the accepted drafts: never count more than the tokens kept.
+        if request.num_computed_tokens > request.num_tokens:
+            request.num_computed_tokens = request.num_tokens
+        if kv.enable_prefix_caching:
+            kv.cache_blocks(request)  # only verified tokens: the hashes are of all_token_ids
+        if status is None:
+            # The slots of the rejected drafts: blocks past the known tokens go back to the pool.
+            kv.free_tail(request, request.num_tokens)
+        return status
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """The runner's proposals, for each request's next step (ended requests are ignored)."""
+        requests = self.requests
+        for rid, drafts in draft_token_ids.items():
+            request = requests.get(rid)
+            if request is not None and request.status is _RUNNING:
+                request.spec_token_ids = drafts

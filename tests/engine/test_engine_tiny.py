@@ -169,7 +169,8 @@ def test_c9_every_message_round_trips_with_every_field_set():
     stats = _all_fields_set(EngineCoreStats(
         num_running=1, num_waiting=2, kv_usage=0.25, prefix_cache_queries=40, prefix_cache_hits=16,
         num_preemptions=3, num_blocks=65, num_usable_blocks=64, num_free_blocks=48, num_steps=9,
-        num_aborted_requests=1, pid=1234,
+        num_aborted_requests=1, spec_num_drafts=5, spec_num_draft_tokens=20, spec_num_accepted_tokens=11,
+        spec_num_accepted_tokens_per_pos=[5, 4, 2, 0], pid=1234,
     ))
     ready = _all_fields_set(EngineCoreReady(
         max_model_len=512, vocab_size=512, num_blocks=65, num_usable_blocks=64, block_size=16,

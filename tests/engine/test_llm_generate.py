@@ -247,6 +247,9 @@ def test_cuda_device_without_cuda_is_a_value_error(tiny_llama3_fp32):
         (["--num-gpu-blocks-override", "0"], "num_gpu_blocks_override must be >= 1"),
         (["--max-model-len", "0"], "max_model_len must be >= 1"),
         (["--kv-cache-memory", "-5"], "kv_cache_memory must be a positive number"),
+        (["--speculative-config", "{method: ngram}"], "speculative_config is not valid JSON"),
+        (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+         "speculative_config: method must be one of ngram, draft_model"),
     ],
 )
 def test_cli_generate_refuses_bad_engine_flags_in_one_line(argv, message, capsys):

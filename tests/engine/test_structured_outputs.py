@@ -81,6 +81,25 @@ def test_outputs_follow_their_grammar_and_leave_others_unchanged(smollm2_fp32, s
     assert small.engine.core.stats().num_preemptions > 0
 
 
+def test_drafts_are_checked_against_the_grammar(smollm2_fp32, smollm2_tokenizer):
+    """With n-gram drafts, every drafted position is masked by the grammar's state after the drafts
+    before it: the outputs still follow their grammars and equal those without speculation."""
+    prompts = _prompt_ids(smollm2_tokenizer)
+    want = make_engine(smollm2_fp32, tokenizer=smollm2_tokenizer, num_gpu_blocks_override=256).generate(
+        prompts, _params(), use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = make_engine(smollm2_fp32, tokenizer=smollm2_tokenizer, num_gpu_blocks_override=256, speculative_config=spec)
+    verified = []
+    original = llm.engine.core.runner.structured_outputs.mask_drafted
+    llm.engine.core.runner.structured_outputs.mask_drafted = lambda logits, rows: (
+        verified.extend(r[1] for r in rows), original(logits, rows))
+    outs = llm.generate(prompts, _params(), use_tqdm=False)
+    _check(outs)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert verified  # constrained requests did carry drafts
+    assert not llm.engine.core.runner.structured_outputs.matchers
+
+
 def test_bad_structured_outputs_are_refused_up_front(smollm2_fp32, smollm2_tokenizer, tiny_llama3_fp32):
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])

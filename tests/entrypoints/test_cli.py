@@ -24,7 +24,7 @@ ENGINE_FLAGS = [
     "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching", "--enable-chunked-prefill",
     "--long-prefill-token-threshold", "--scheduling-policy", "--kv-cache-memory", "--num-gpu-blocks-override",
     "--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size", "--pipeline-parallel-size",
-    "--distributed-executor-backend", "--max-logprobs",
+    "--distributed-executor-backend", "--max-logprobs", "--speculative-config",
 ]
 
 
@@ -65,6 +65,15 @@ def test_every_engine_field_has_a_flag_with_its_default(path):
         field = next(f for f in dataclasses.fields(EngineArgs) if f.name == name)
         assert name in defaults, f"{' '.join(path)}: no flag for EngineArgs.{name}"
         assert defaults[name] == field.default, name
+
+
+def test_speculative_config_json_reaches_engine_args():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    ns = p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    spec = EngineArgs.from_kwargs(**engine_kwargs(ns)).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 5, 5)
+    assert EngineArgs.from_kwargs(**engine_kwargs(p.parse_args([]))).speculative_config is None
 
 
 def test_engine_kwargs_reach_engine_args():

@@ -110,6 +110,25 @@ def test_status_line_quiet_when_idle():
     assert line.tick(now=line._last_time + 10) is None
 
 
+def test_spec_decode_counters_and_acceptance_rate_in_the_status_line():
+    stats = EngineCoreStats(spec_num_drafts=10, spec_num_draft_tokens=40, spec_num_accepted_tokens=10,
+                            spec_num_accepted_tokens_per_pos=[6, 3, 1, 0])
+    m = ServerMetrics("tiny", 512, lambda: stats)
+    fams = families(m)
+    assert sample(fams, "pagoda:spec_decode_num_drafts", "_total") == 10
+    assert sample(fams, "pagoda:spec_decode_num_draft_tokens", "_total") == 40
+    assert sample(fams, "pagoda:spec_decode_num_accepted_tokens", "_total") == 10
+    per_pos = "pagoda:spec_decode_num_accepted_tokens_per_pos"
+    assert [sample(fams, per_pos, "_total", position=str(i)) for i in range(4)] == [6, 3, 1, 0]
+    line = StatusLine(m, lambda: stats)
+    m.on_tokens(50, None)
+    # 40 more drafted, 30 more accepted in the interval: the line reports the interval's rate.
+    stats = EngineCoreStats(num_running=1, spec_num_drafts=20, spec_num_draft_tokens=80, spec_num_accepted_tokens=40)
+    assert line.tick(now=line._last_time + 10).endswith(", draft acceptance rate: 75.0%")
+    stats = EngineCoreStats(num_running=1, spec_num_drafts=20, spec_num_draft_tokens=80, spec_num_accepted_tokens=40)
+    assert "acceptance" not in line.tick(now=line._last_time + 10)  # nothing drafted since
+
+
 def _logger_to(buf: io.StringIO, formatter: logging.Formatter) -> logging.Logger:
     lg = logging.getLogger(f"pagoda.test.{id(buf)}")
     lg.handlers.clear()
