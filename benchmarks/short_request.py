@@ -27,8 +27,10 @@ def measure(url: str, model: str, runs: int, max_tokens: int, prompt: str | list
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     ttfts, ends, rates = [], [], []
-    with httpx.Client(timeout=60) as client:
-        for i in range(runs + 1):  # the first is a warm-up
+    for i in range(runs + 1):  # the first is a warm-up
+        # A connection per request: some servers (llama.cpp's) close an idle keep-alive connection,
+        # and a request sent on it fails. The connect costs well under a millisecond on loopback.
+        with httpx.Client(timeout=600) as client:
             start = time.perf_counter()
             first = None
             with client.stream("POST", f"{url}/v1/completions", json=body) as response:
