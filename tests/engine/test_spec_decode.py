@@ -273,3 +273,27 @@ def test_load_gate_turns_drafts_off_above_the_batch_size(tiny_llama3_fp32, repea
     for (prev_n, _), (_, drafted) in zip(sizes, sizes[1:]):
         if prev_n > 2:
             assert drafted == 0
+
+
+@pytest.mark.slow
+def test_smollm2_draft_models_greedy_equal_transformers(smollm2_fp32, smollm2_prompt_ids, smollm2_hf_greedy32,
+                                                        tmp_path):
+    # The model as its own draft (every draft stands) and a tiny random draft with SmolLM2's
+    # vocabulary (almost none stands): either way the output is the target's own, here on 4 of the
+    # 16 SmolLM2 prompts (the draft model's forwards make each prompt cost several target steps).
+    from tests.tiny_models import save_tiny_model
+
+    save_tiny_model("llama3", tmp_path, seed=3, vocab_size=smollm2_fp32.config.vocab_size)
+    prompts, expected = smollm2_prompt_ids[:4], smollm2_hf_greedy32[:4]
+    for draft, accepts_all in ((str(smollm2_fp32.source.path), True), (str(tmp_path), False)):
+        config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+        llm = make_engine(smollm2_fp32, speculative_config=config)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SLOW_GREEDY32, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, draft
+        stats = llm.engine.core.stats()
+        assert stats.spec_num_draft_tokens > 0
+        if accepts_all:
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        else:
+            assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 4
+        assert llm.engine.core.kv_manager.usage == 0.0
