@@ -13,8 +13,12 @@ resident part of a lazily mapped cache) close to what is in use plus what the pr
 3. cached blocks: free but holding a published prefix, least recently freed first (LRU eviction).
 
 Without (2) before (3) a long-running server would walk the whole pool; without (1) before (2) every
-new block would be fresh memory. `max_cached_free_blocks` bounds (3): beyond it the oldest cached
-block loses its hash and becomes reusable, so the prefix cache's share of memory is bounded too.
+new block would be fresh memory. `max_cached_free_blocks` bounds what (3) may hold while (2) is
+used: while more cached blocks are free than that, the oldest of them is evicted before an untouched
+block is written, so the blocks ever written stay within the peak in use plus the bound. Eviction
+stays lazy (a block keeps its hash until it is needed), so a preempted request's blocks survive
+for its resume whenever nothing else needs them; `evict_cached_beyond_cap` applies the bound eagerly,
+for the working-set trimmer.
 
 Block 0 is reserved as the null block: it is never handed out, so the execution layer can point
 padding rows (CUDA graph padding, unused block-table entries) at it. Usable blocks are 1..num_blocks-1.
@@ -183,6 +187,12 @@ class BlockPool:
         out = reusable[len(reusable) - k:]
         out.reverse()
         del reusable[len(reusable) - k:]
+        cap = self.max_cached_free_blocks
+        if len(out) < n and cap is not None and self.cached_free.num_free_blocks > cap:
+            over = self.cached_free.popleft_n(min(n - len(out), self.cached_free.num_free_blocks - cap))
+            for block in over:
+                self._drop_hash(block)
+            out.extend(over)
         if len(out) < n:
             untouched, blocks = self._untouched, self.blocks
             for _ in range(min(n - len(out), len(untouched))):
@@ -220,11 +230,18 @@ class BlockPool:
                     reusable.append(block)
                 else:
                     queue.append(block)
-        cap = self.max_cached_free_blocks
-        if cap is not None and queue.num_free_blocks > cap:
-            for block in queue.popleft_n(queue.num_free_blocks - cap):
-                self._drop_hash(block)
-                reusable.append(block)
+
+    def evict_cached_beyond_cap(self) -> int:
+        """Evict the least recently used cached free blocks beyond `max_cached_free_blocks` (they
+        become reusable, holding nothing). Returns how many."""
+        cap, queue = self.max_cached_free_blocks, self.cached_free
+        if cap is None or queue.num_free_blocks <= cap:
+            return 0
+        evicted = queue.popleft_n(queue.num_free_blocks - cap)
+        for block in evicted:
+            self._drop_hash(block)
+        self._reusable[:0] = evicted  # under the stack: the first to be released
+        return len(evicted)
 
     def release_reusable(self, n: int) -> list[int]:
         """Move up to n reusable blocks, the longest free first, to the untouched ones, and return

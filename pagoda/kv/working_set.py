@@ -7,8 +7,9 @@ once per window, releases the reusable blocks beyond it (those free longest firs
 keeps its blocks warm (no page faults), while memory taken by a burst is given back within
 `window_s * num_windows` seconds of the burst's end, and all of it on an idle engine.
 
-Cached prefix blocks are never released here: their content is what the prefix cache keeps, and
-their number is bounded by the pool's `max_cached_free_blocks`. The trimmer only chooses block ids;
+Cached prefix blocks beyond the pool's `max_cached_free_blocks` are evicted first (at a window's
+end, so a preempted request's blocks live on between its steps); those within it are kept: their
+content is what the prefix cache is for. The trimmer only chooses block ids;
 the execution layer, which owns the memory, gives their pages back.
 """
 
@@ -52,6 +53,7 @@ class WorkingSetTrimmer:
             self._peaks.append(self._in_use())
         self._window_start += elapsed * self.window_s
         self._peak = self._in_use()
+        self.pool.evict_cached_beyond_cap()
         recent_peak = max(max(self._peaks), self._peak)
         excess = self._in_use() + self.pool.num_reusable_blocks - recent_peak
         if excess <= 0:

@@ -41,7 +41,11 @@ def test_sustained_unique_traffic_touches_peak_in_use_plus_the_cached_cap():
     assert peak <= 27
     assert len(seen) <= peak + cap
     assert kv.block_pool.num_touched_blocks == len(seen)
-    assert kv.block_pool.cached_free.num_free_blocks == cap
+    # Eviction is lazy: what was written and is free stays cached until needed, or until the trimmer
+    # applies the cap.
+    assert kv.block_pool.cached_free.num_free_blocks > cap
+    assert kv.block_pool.evict_cached_beyond_cap() > 0 and kv.block_pool.cached_free.num_free_blocks == cap
+    check_kv_invariants(kv)
 
 
 def test_a_shared_prefix_keeps_hitting_under_the_cap():
@@ -87,14 +91,16 @@ def test_release_reusable_takes_the_longest_free_and_makes_them_untouched():
     check_kv_invariants(kv)
 
 
-def test_cap_zero_caches_nothing_free_and_none_keeps_everything():
-    for cap, cached in ((0, 0), (None, 2)):
+def test_beyond_the_cap_cached_blocks_are_evicted_before_untouched_ones_are_written():
+    for cap, expected in ((0, [3, 2, 1]), (None, [3, 4, 5])):
         kv = KVCacheManager(num_blocks=10, block_size=BS, max_cached_free_blocks=cap)
-        r = make_request("r", list(range(9)))
+        r = make_request("r", list(range(9)))  # blocks 1, 2 full (cached), 3 partial
         admit(kv, r)
         kv.free(r)
-        assert kv.block_pool.cached_free.num_free_blocks == cached
-        assert len(kv.block_pool.cached_block_hash_to_block) == cached
+        assert kv.block_pool.cached_free.num_free_blocks == 2  # lazy: still cached after the free
+        s = make_request("s", [100 + i for i in range(12)])
+        assert admit(kv, s) == expected
+        assert kv.block_pool.num_touched_blocks == max(expected)
         check_kv_invariants(kv)
     with pytest.raises(ValueError, match="max_cached_free_blocks"):
         KVCacheManager(num_blocks=10, max_cached_free_blocks=-1)
