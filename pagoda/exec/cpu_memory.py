@@ -58,7 +58,7 @@ def release_ranges(tensor: torch.Tensor, byte_ranges: list[tuple[int, int]]) -> 
     counted in RSS until the kernel is short of memory, which is what this is meant to avoid)."""
     if not byte_ranges or not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
         return 0
-    madvise = _libc_madvise()
+    madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
     if madvise is None:
         return 0
     base = tensor.data_ptr()
@@ -71,13 +71,17 @@ def release_ranges(tensor: torch.Tensor, byte_ranges: list[tuple[int, int]]) -> 
     return released
 
 
-def _libc_madvise():
+def _libc(name: str, argtypes: list, restype=ctypes.c_int):
+    """The C library's function `name` (Linux only), or None where it has none (musl has no mallopt,
+    glibc < 2.33 no mallinfo2)."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    fn.restype = restype
     return fn
 
 
@@ -88,13 +92,9 @@ class _MallInfo2(ctypes.Structure):
 
 def heap_bytes() -> tuple[int, int] | None:
     """(bytes in use, free bytes) of malloc's heaps (glibc's mallinfo2), None where unknown."""
-    if not sys.platform.startswith("linux"):
+    fn = _libc("mallinfo2", [], _MallInfo2)
+    if fn is None:
         return None
-    try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):  # not glibc, or glibc < 2.33
-        return None
-    fn.restype = _MallInfo2
     info = fn()
     return int(info.uordblks), int(info.fordblks)
 
@@ -109,14 +109,8 @@ def trim_heap() -> bool:
     """Return the free memory of malloc's heaps to the OS (glibc's malloc_trim), which
     `keep_freed_memory` otherwise keeps for the next step: for when a burst is over. Returns whether
     anything was released (False off glibc)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    malloc_trim.argtypes = [ctypes.c_size_t]
-    return malloc_trim(0) == 1
+    malloc_trim = _libc("malloc_trim", [ctypes.c_size_t])
+    return malloc_trim is not None and malloc_trim(0) == 1
 
 
 def keep_freed_memory() -> bool:
@@ -125,13 +119,9 @@ def keep_freed_memory() -> bool:
 
     Process-wide: memory freed after a burst stays with the process (peak RSS is unchanged). Returns
     whether the settings took (False off glibc)."""
-    if not sys.platform.startswith("linux"):
+    mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
     if not ok:
         logger.debug("mallopt refused the thresholds; freed memory goes back to the OS")

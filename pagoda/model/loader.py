@@ -180,6 +180,15 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def source_tensors(source: ModelSource, config: object, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, name by name, in `dtype`: a GGUF's (dequantized) or a folder's safetensors."""
+    if source.is_gguf:
+        from pagoda.model.gguf_file import gguf_tensors, open_gguf
+
+        return gguf_tensors(open_gguf(source.path), source.path, config, dtype)
+    return _safetensors_tensors(source.path, dtype)
+
+
 def _safetensors_tensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -303,12 +312,7 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     where = source.path if source.is_gguf else source.path / "config.json"
     net = _build_on_meta(cls, config, arch, torch_dtype, where).to_empty(device=device)
     _materialize_rotary(net, device)
-    if source.is_gguf:
-        from pagoda.model.gguf_file import gguf_tensors, open_gguf
-
-        weights = gguf_tensors(open_gguf(source.path), source.path, config, torch_dtype)
-    else:
-        weights = _safetensors_tensors(source.path, torch_dtype)
+    weights = source_tensors(source, config, torch_dtype)
     with torch.no_grad():
         net.load_weights(weights, source=str(source.path))
     net.eval()

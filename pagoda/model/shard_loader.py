@@ -13,8 +13,8 @@ import torch
 
 from pagoda.model import gguf_cache
 from pagoda.model.loader import (
-    LoadedModel, _build_on_meta, _cached_config, _materialize_rotary, _safetensors_tensors, _weights_kind,
-    load_config, resolve_dtype, resolve_model,
+    LoadedModel, _build_on_meta, _cached_config, _materialize_rotary, _weights_kind,
+    load_config, resolve_dtype, resolve_model, source_tensors,
 )
 from pagoda.model.pipeline import SINGLE_STAGE, PPStage
 from pagoda.model.registry import resolve_architecture
@@ -42,12 +42,8 @@ def load_model_shard(model: str | None, dtype: str | torch.dtype, device: str | 
     _materialize_rotary(net, device)
     if cached:
         weights = unmerge_params(_cached_tensors(cached, torch_dtype), config)
-    elif source.is_gguf:
-        from pagoda.model.gguf_file import gguf_tensors, open_gguf
-
-        weights = gguf_tensors(open_gguf(source.path), source.path, config, torch_dtype)
     else:
-        weights = _safetensors_tensors(source.path, torch_dtype)
+        weights = source_tensors(source, config, torch_dtype)
     with torch.no_grad():
         net.load_weights(weights, source=str(source.path))
     return LoadedModel(net.eval(), config, arch, source, torch_dtype)
