@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 # on another CPU the first use builds afresh whatever this stamp says.
 $(KERNELS): $(STAMP) $(wildcard pagoda/*/csrc/*.cpp pagoda/csrc/*.h) pagoda/cpp_build.py
 	$(PY) -c "from pagoda.model.cpu_layer_ops import load_layer_ops; load_layer_ops()"
-	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels, load_prefill_attention; load_cpu_kernels(); load_prefill_attention()"
+	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels, load_gemv_bf16, load_prefill_attention; load_cpu_kernels(); load_prefill_attention(); load_gemv_bf16()"
 	touch $(KERNELS)
 
 serve: $(KERNELS)

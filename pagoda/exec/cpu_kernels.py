@@ -22,3 +22,9 @@ def load_cpu_kernels():
 def load_prefill_attention():
     """The compiled module (`prefill_attention`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
     return build_cpu_extension("pagoda_prefill_attention", _CSRC / "prefill_attention.cpp", "CPU prefill attention")
+
+
+@lru_cache(maxsize=1)
+def load_gemv_bf16():
+    """The compiled module (`gemv_bf16`, `has_avx512_bf16`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+    return build_cpu_extension("pagoda_gemv_bf16", _CSRC / "gemv_bf16.cpp", "CPU bf16 GEMV")

@@ -18,6 +18,12 @@ through SmolLM2's four projections left ~550 MB of cached primitives and ~1.8 GB
 heap (bf16, AVX512-BF16). So rows are padded up to a few dozen counts (`bucket_rows`: exact up to
 16, then 8 steps per doubling, at most 12.5 % padding), and the primitives a server ever builds are
 bounded.
+
+A decode step of a few sequences is a chain of matrix-vector products bound by reading the weights,
+where oneDNN's packed GEMM (blocked for many rows) falls short of the memory's rate. With AVX512-BF16,
+bf16 linears of up to `GEMV_MAX_ROWS` rows run through our own kernel (exec/csrc/gemv_bf16.cpp) over
+the plain weight instead, which these layers then keep beside the packed one (the LM head's plain
+weight is the tied embedding's or the model's own, held anyway). PAGODA_NO_GEMV=1 turns it off.
 """
 
 from __future__ import annotations
@@ -30,17 +36,35 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pagoda.exec.cpu_kernels import load_gemv_bf16
 from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.mmap_weights import release_pages
 
 logger = logging.getLogger(__name__)
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows; any count works
+GEMV_MAX_ROWS = 4  # the kernel's limit; one row gained most (see docs/benchmarks.md)
 
 
 @lru_cache(maxsize=1)
 def _native_bf16() -> bool:
     return cpu_has_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@lru_cache(maxsize=1)
+def gemv_kernel():
+    """The bf16 GEMV kernel module where the CPU has AVX512-BF16 and it builds, else None."""
+    if os.environ.get("PAGODA_NO_GEMV") == "1" or not _native_bf16():
+        return None
+    kernel = load_gemv_bf16()
+    return kernel if kernel is not None and kernel.has_avx512_bf16() else None
+
+
+def _gemv_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The plain weight the GEMV reads, where it applies to this weight."""
+    if weight.dtype != torch.bfloat16 or gemv_kernel() is None:
+        return None
+    return weight.detach().contiguous()
 
 
 def _onednn_usable(weight: torch.Tensor, device: torch.device) -> bool:
@@ -65,10 +89,18 @@ def bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, plain: torch.Tensor | None = None
+) -> torch.Tensor:
     shape = x.shape
-    x = x.reshape(-1, shape[-1]).contiguous()
+    x = x.reshape(-1, shape[-1])
     m = x.shape[0]
+    if plain is not None and m <= GEMV_MAX_ROWS:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = gemv_kernel().gemv_bf16(x, plain, bias)
+        return out.reshape(*shape[:-1], out.shape[-1])
+    x = x.contiguous()
     rows = bucket_rows(m)
     if rows != m:
         # Zero rows: no NaNs or denormals to compute on; their outputs are dropped.
@@ -86,9 +118,10 @@ class PackedLMHead:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.packed = _pack(weight)
+        self.plain = _gemv_weight(weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _packed_linear(hidden, self.packed, None)
+        return _packed_linear(hidden, self.packed, None, self.plain)
 
 
 class PackedLinear(nn.Module):
@@ -98,10 +131,11 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = _pack(linear.weight)
+        self.plain = _gemv_weight(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _packed_linear(x, self.packed, self.bias)
+        return _packed_linear(x, self.packed, self.bias, self.plain)
 
 
 def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -129,15 +163,18 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear and name != "lm_head" and _onednn_usable(child.weight, device)
     ]
-    dropped = []
+    swapped, dropped = 0, []
     for parent, name, child in targets:
         try:
-            setattr(parent, name, PackedLinear(child))
+            packed = PackedLinear(child)
         except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
             logger.warning("packed linears unavailable (%s); using F.linear", exc)
             break
-        dropped.append(child.weight)
+        setattr(parent, name, packed)
+        swapped += 1
+        if packed.plain is None:
+            dropped.append(child.weight)
     # The packed copies replace the weights; weights mapped from the load cache would otherwise stay
     # resident (the mapping lives on for the other parameters): ~430 MB for SmolLM2 in fp32.
     release_pages(dropped)
-    return len(dropped)
+    return swapped
