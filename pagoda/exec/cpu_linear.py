@@ -22,8 +22,10 @@ bounded.
 A decode step of a few sequences is a chain of matrix-vector products bound by reading the weights,
 where oneDNN's packed GEMM (blocked for many rows) falls short of the memory's rate. With AVX512-BF16,
 bf16 linears of up to `GEMV_MAX_ROWS` rows run through our own kernel (exec/csrc/gemv_bf16.cpp) over
-the plain weight instead, which these layers then keep beside the packed one (the LM head's plain
-weight is the tied embedding's or the model's own, held anyway). PAGODA_NO_GEMV=1 turns it off.
+the plain weight instead. The LM head's plain weight is held anyway (the tied embedding's or the
+model's own); the layers keep theirs beside the packed copy, which doubles their weights' memory, so
+only while those weights take at most an eighth of the machine's memory (SmolLM2: +200 MB of 24 GiB;
+a 7B model would stay on oneDNN alone). PAGODA_NO_GEMV=1 turns it off.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from pagoda.exec.cpu_kernels import load_gemv_bf16
+from pagoda.exec.cpu_kv_sizing import mem_total_bytes
 from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.mmap_weights import release_pages
 
@@ -127,11 +130,11 @@ class PackedLMHead:
 class PackedLinear(nn.Module):
     """Stands in for an nn.Linear: the same function, the weight held only in oneDNN's packed layout."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_plain: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = _pack(linear.weight)
-        self.plain = _gemv_weight(linear.weight)
+        self.plain = _gemv_weight(linear.weight) if keep_plain else None
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,10 +166,13 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear and name != "lm_head" and _onednn_usable(child.weight, device)
     ]
+    weight_bytes = sum(child.weight.numel() * child.weight.element_size() for _, _, child in targets)
+    memory = mem_total_bytes()
+    keep_plain = memory is not None and weight_bytes <= memory // 8
     swapped, dropped = 0, []
     for parent, name, child in targets:
         try:
-            packed = PackedLinear(child)
+            packed = PackedLinear(child, keep_plain)
         except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
             logger.warning("packed linears unavailable (%s); using F.linear", exc)
             break

@@ -91,3 +91,19 @@ def test_fp32_and_the_off_switch_keep_onednn_for_every_row_count(monkeypatch):
     finally:
         monkeypatch.delenv("PAGODA_NO_GEMV")
         cpu_linear.gemv_kernel.cache_clear()
+
+
+@needs_gemv
+def test_layers_keep_their_plain_weights_only_while_they_are_small_beside_the_machine(monkeypatch):
+    from pagoda.exec.cpu_linear import pack_linears
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16), torch.nn.Linear(64, 32).to(torch.bfloat16))
+
+    weight_bytes = (64 * 64 + 64 * 32) * 2
+    cpu = torch.device("cpu")
+    for memory, kept in ((8 * weight_bytes, True), (8 * weight_bytes - 1, False)):
+        monkeypatch.setattr(cpu_linear, "mem_total_bytes", lambda memory=memory: memory)
+        model = net()
+        assert pack_linears(model, cpu) == 2
+        assert all((layer.plain is not None) == kept for layer in model)
