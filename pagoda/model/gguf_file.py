@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from pagoda.model.errors import ModelLoadError
+from pagoda.model.quantized import QuantizedTensor
 
 # GGUF architecture -> (transformers config class name, architecture name)
 _ARCHS = {
@@ -178,8 +179,10 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def gguf_tensors(reader, path: Path, config, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, dequantized tensor) pairs, one tensor at a time."""
+def gguf_tensors(reader, path: Path, config, dtype: torch.dtype,
+                 keep_quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (Hugging Face name, dequantized tensor) pairs, one tensor at a time; the GGUF tensors
+    named in `keep_quantized` come as their packed blocks (a QuantizedTensor) instead."""
     from gguf.quants import dequantize
 
     arch = _field(reader, "general.architecture")
@@ -196,6 +199,9 @@ def gguf_tensors(reader, path: Path, config, dtype: torch.dtype) -> Iterator[tup
                 f"(supported: {', '.join(SUPPORTED_TYPES)})"
             )
         shape = tuple(int(d) for d in reversed(t.shape))
+        if t.name in keep_quantized:
+            yield name, _packed(t, kind, shape, arch, config)
+            continue
         if kind == "BF16":
             raw = np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16
             array = raw.view(np.float32).reshape(shape)
@@ -207,3 +213,16 @@ def gguf_tensors(reader, path: Path, config, dtype: torch.dtype) -> Iterator[tup
             elif t.name.endswith("attn_k.weight"):
                 array = _unpermute_rotary(array, config.num_key_value_heads)
         yield name, torch.from_numpy(np.array(array, copy=True) if not array.flags.writeable else array).to(dtype)
+
+
+def _packed(t, kind: str, shape: tuple[int, ...], arch: str, config) -> QuantizedTensor:
+    """A 2-D tensor's blocks as they lie in the file, rows in Hugging Face order (a copy, so the
+    file's pages need not stay resident)."""
+    rows = np.asarray(t.data).reshape(shape[0], -1)
+    if arch in ("llama", "mistral"):
+        if t.name.endswith("attn_q.weight"):
+            rows = _unpermute_rotary(rows, config.num_attention_heads)
+        elif t.name.endswith("attn_k.weight"):
+            rows = _unpermute_rotary(rows, config.num_key_value_heads)
+    data = torch.from_numpy(np.array(rows, dtype=np.uint8, copy=True))
+    return QuantizedTensor(kind, shape[0], shape[1], data)
