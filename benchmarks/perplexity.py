@@ -87,8 +87,7 @@ def write_q8_0(src: Path, dst: Path) -> None:
             writer.add_tensor(t.name, np.asarray(t.data).reshape(shape))
             continue
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        writer.add_tensor(t.name, quantize(w, gguf.GGMLQuantizationType.Q8_0), raw_shape=shape,
-                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(t.name, quantize(w, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

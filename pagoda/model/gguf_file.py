@@ -42,24 +42,61 @@ _DERIVED = ("rope_freqs.weight",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 
+# llama.cpp's gguf-split (and gguf-py's writer) name the parts of a split model so.
+_SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf")
+
+
+class SplitGGUF:
+    """A model split over several GGUF files, read as one: the first part's metadata, every part's
+    tensors in order (`parts`: the readers, each mapping its own file)."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.fields = parts[0].fields
+        self.tensors = [t for part in parts for t in part.tensors]
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of the model whose first part is `path` (just `path` unless it is named as a part)."""
+    m = _SPLIT_NAME.fullmatch(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    if int(m["index"]) != 1:
+        raise ModelLoadError(f"{path}: part {int(m['index'])} of a split GGUF; give its first part, "
+                             f"{m['stem']}-00001-of-{m['count']}.gguf")
+    parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{m['count']}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelLoadError(f"{path}: split GGUF of {count} parts lacks {', '.join(missing)}")
+    return parts
+
+
 def open_gguf(path: Path):
-    """Parse a GGUF file once per process (parsing the tokenizer's arrays takes seconds); a file
-    replaced or rewritten since is parsed again."""
-    try:
-        st = Path(path).stat()
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read ({exc})") from None
-    return _open_gguf(Path(path), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    """Parse a GGUF file (or every part of a split one) once per process (parsing the tokenizer's
+    arrays takes seconds); a file replaced or rewritten since is parsed again."""
+    parts = split_parts(Path(path))
+    signatures = []
+    for part in parts:
+        try:
+            st = part.stat()
+        except OSError as exc:
+            raise ModelLoadError(f"{part}: cannot read ({exc})") from None
+        signatures.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return _open_gguf(tuple(parts), tuple(signatures))
 
 
 @lru_cache(maxsize=2)
-def _open_gguf(path: Path, signature: tuple):
+def _open_gguf(paths: tuple[Path, ...], signatures: tuple):
     import gguf
 
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises assorted errors on a file that is not GGUF
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
+    readers = []
+    for path in paths:
+        try:
+            readers.append(gguf.GGUFReader(str(path)))
+        except Exception as exc:  # the reader raises assorted errors on a file that is not GGUF
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
+    return readers[0] if len(readers) == 1 else SplitGGUF(readers)
 
 
 def _field(reader, key: str, default=None):

@@ -143,13 +143,15 @@ def install_packed(net: nn.Module, kept: dict[str, tuple[str, int, int]], pendin
 
 
 def release_file_pages(reader) -> None:
-    """Drop the GGUF mapping's resident pages: every packed tensor was copied out of it."""
-    mapping = getattr(getattr(reader, "data", None), "_mmap", None)
-    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-        try:
-            mapping.madvise(mmap.MADV_DONTNEED)
-        except (OSError, ValueError):  # a closed or foreign mapping: only memory is at stake
-            pass
+    """Drop the GGUF mappings' resident pages (each part's of a split file): every packed tensor
+    was copied out of them."""
+    for part in getattr(reader, "parts", [reader]):
+        mapping = getattr(getattr(part, "data", None), "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mapping.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):  # a closed or foreign mapping: only memory is at stake
+                pass
 
 
 def quantize_linears_int8(net: nn.Module) -> int:

@@ -156,3 +156,43 @@ def test_smollm2_q4_1_kept_packed_equals_transformers(smollm2_hf_greedy32, smoll
         return [o.outputs[0].token_ids for o in outs]
 
     assert run(packed) == smollm2_hf_greedy32
+
+
+def _rewrite_split(src, dst_first, max_tensors: int) -> list:
+    """`src` rewritten as a split GGUF (gguf-py's writer names the parts name-0000i-of-0000n.gguf)."""
+    reader = gguf.GGUFReader(str(src))
+    stem = dst_first.name.replace("-00001-of-", "-").rsplit("-", 1)[0]
+    writer = gguf.GGUFWriter(str(dst_first.with_name(f"{stem}.gguf")), arch="llama", split_max_tensors=max_tensors)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if t.tensor_type.name == "F32":
+            writer.add_tensor(t.name, np.asarray(t.data).reshape(shape))
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sorted(dst_first.parent.glob(f"{stem}-0000*-of-*.gguf"))
+
+
+def test_split_gguf_sets_load_as_one_file(tmp_path, tiny_hf):
+    _, hf = tiny_hf
+    single = tmp_path / "tiny-Q4_1.gguf"
+    write_tiny_gguf(hf, single, "Q4_1")
+    (tmp_path / "split").mkdir()
+    parts = _rewrite_split(single, tmp_path / "split" / "tiny-00001-of-00003.gguf", max_tensors=9)
+    assert [p.name for p in parts] == ["tiny-00001-of-00003.gguf", "tiny-00002-of-00003.gguf", "tiny-00003-of-00003.gguf"]
+    want = _run(load_model(str(single), dtype="float32"))
+    _assert_same_output(_run(load_model(str(parts[0]), dtype="float32")), want, atol=1e-6)
+    packed = load_model(str(parts[0]), dtype="float32", quantization="gguf")
+    _assert_same_output(_run(packed), want, atol=1e-4)
+    with pytest.raises(ModelLoadError, match=r"part 2 of a split GGUF; give its first part, tiny-00001-of-00003\.gguf"):
+        load_model(str(parts[1]), dtype="float32")
+    parts[2].unlink()
+    with pytest.raises(ModelLoadError, match=r"split GGUF of 3 parts lacks tiny-00003-of-00003\.gguf"):
+        load_model(str(parts[0]), dtype="float32")
