@@ -134,3 +134,25 @@ def test_quantized_tensor_reference_matches_the_kernel(ops):
     q = QuantizedTensor("Q8_0", 9, 64, torch.from_numpy(blocks))
     x = torch.randn(2, 64)
     torch.testing.assert_close(reference_matmul(x, q), ops.quant_matmul(x, q.data, q.type_id, None, TILE_ROWS))
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K", "int8"])
+def test_layer_matmul_many_rows_and_tiles(ops, name, monkeypatch):
+    """The layers' entry point: the fused kernel for few rows, oneDNN over the dequantized weight for
+    more, also when the weight goes in tiles."""
+    from pagoda.exec import quant_linear
+
+    ops.set_isa("auto")
+    rng = np.random.default_rng(3)
+    if name == "int8":
+        q = quantize_int8(torch.randn(301, 512))
+        w = q.dequantize()
+    else:
+        blocks = make_blocks(name, 301, 512, rng)
+        q = QuantizedTensor(name, 301, 512, torch.from_numpy(blocks))
+        w = reference(name, blocks, 301, 512)
+    for tile_bytes in (32 << 20, 100 * 512 * 4):  # whole; three tiles of 100 rows and one of 1
+        monkeypatch.setattr(quant_linear, "_GEMM_TILE_BYTES", tile_bytes)
+        for m in (1, 8, 9, 50):
+            x = torch.randn(m, 512)
+            assert_within_fp32_rounding(quant_linear.quant_matmul(x, q), x, w)
