@@ -181,8 +181,10 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}")
-        if self.quantization is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError(f"quantization {self.quantization} runs on one rank only so far (tensor and pipeline parallel size 1)")
+        if self.quantization is not None and (self.tensor_parallel_size * self.pipeline_parallel_size > 1
+                                              or self.distributed_executor_backend not in (None, "uni")):
+            raise ValueError(f"quantization {self.quantization} runs on one rank in this process only so far "
+                             "(tensor and pipeline parallel size 1, executor uni)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.tensor_parallel_size < 1:

@@ -72,9 +72,10 @@ def split_parts(path: Path) -> list[Path]:
     return parts
 
 
-def open_gguf(path: Path):
+def open_gguf(path: Path, light: bool = False):
     """Parse a GGUF file (or every part of a split one) once per process (parsing the tokenizer's
-    arrays takes seconds); a file replaced or rewritten since is parsed again."""
+    arrays takes seconds); a file replaced or rewritten since is parsed again. `light`: without the
+    arrays of strings (gguf_index.GGUFIndex), for loading weights without the tokenizer."""
     parts = split_parts(Path(path))
     signatures = []
     for part in parts:
@@ -83,17 +84,19 @@ def open_gguf(path: Path):
         except OSError as exc:
             raise ModelLoadError(f"{part}: cannot read ({exc})") from None
         signatures.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-    return _open_gguf(tuple(parts), tuple(signatures))
+    return _open_gguf(tuple(parts), tuple(signatures), light)
 
 
 @lru_cache(maxsize=2)
-def _open_gguf(paths: tuple[Path, ...], signatures: tuple):
+def _open_gguf(paths: tuple[Path, ...], signatures: tuple, light: bool = False):
     import gguf
+
+    from pagoda.model.gguf_index import GGUFIndex
 
     readers = []
     for path in paths:
         try:
-            readers.append(gguf.GGUFReader(str(path)))
+            readers.append(GGUFIndex(path) if light else gguf.GGUFReader(str(path)))
         except Exception as exc:  # the reader raises assorted errors on a file that is not GGUF
             raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
     return readers[0] if len(readers) == 1 else SplitGGUF(readers)

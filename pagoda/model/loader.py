@@ -96,9 +96,10 @@ def cpu_has_bf16() -> bool:
     return not {"avx512_bf16", "amx_bf16"}.isdisjoint(cpu_flags().split())
 
 
-def load_config(source: ModelSource, use_cache: bool = True):
-    """The model's config: from GGUF metadata, a Hugging Face folder's config.json, or (for a GGUF
-    whose conversion is cached) the cache's complete config.json read without transformers."""
+def load_config(source: ModelSource, use_cache: bool = True, light: bool = False):
+    """The model's config: from GGUF metadata (`light`: read without its tokenizer, gguf_index), a
+    Hugging Face folder's config.json, or (for a GGUF whose conversion is cached) the cache's
+    complete config.json read without transformers."""
     if source.is_gguf:
         if use_cache:
             # Any dtype's entry will do: the config does not depend on the dtype.
@@ -111,7 +112,7 @@ def load_config(source: ModelSource, use_cache: bool = True):
                     logger.warning("ignoring the load cache entry %s: %s", cached, exc)
         from pagoda.model.gguf_file import gguf_config, open_gguf
 
-        return gguf_config(open_gguf(source.path), source.path)
+        return gguf_config(open_gguf(source.path, light), source.path)
     from transformers import AutoConfig
 
     try:
@@ -313,7 +314,7 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
         except Exception as exc:  # a damaged entry only costs this start its speed, and is replaced
             logger.warning("ignoring the load cache entry %s: %s", cached, exc)
             gguf_cache.discard(source.path, _weights_kind(torch_dtype))
-    config = load_config(source, use_cache=False)
+    config = load_config(source, use_cache=False, light=quantization == "gguf")
     arch, cls = resolve_architecture(config, str(source.path))
     where = source.path if source.is_gguf else source.path / "config.json"
     net = _build_on_meta(cls, config, arch, torch_dtype, where)

@@ -178,7 +178,7 @@ def load_packed_gguf(net: nn.Module, path, config, dtype: torch.dtype, device: t
     rest dequantized to `dtype`; `materialize(net, device)` fills in what the model computes itself."""
     from pagoda.model.gguf_file import _hf_name, gguf_tensors, open_gguf
 
-    reader = open_gguf(path)
+    reader = open_gguf(path, light=True)
     kept = gguf_kept_tensors(reader, path)
     replace_gguf_modules(net, kept, dtype)
     net = net.to_empty(device=device)

@@ -136,8 +136,10 @@ def test_quantizations_that_do_not_fit_are_refused_in_one_line(tmp_path, tiny_hf
     assert load_model(str(path), dtype="float32").model is not None  # without it: dequantized, as before
     with pytest.raises(ValueError, match="quantization must be one of gguf, int8, fp8; got 'awq'"):
         EngineArgs(quantization="awq")
-    with pytest.raises(ValueError, match="runs on one rank only"):
+    with pytest.raises(ValueError, match="runs on one rank in this process only"):
         EngineArgs(quantization="int8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="runs on one rank in this process only"):
+        EngineArgs(quantization="gguf", distributed_executor_backend="mp")
 
 
 @pytest.mark.slow
@@ -196,3 +198,23 @@ def test_split_gguf_sets_load_as_one_file(tmp_path, tiny_hf):
     parts[2].unlink()
     with pytest.raises(ModelLoadError, match=r"split GGUF of 3 parts lacks tiny-00003-of-00003\.gguf"):
         load_model(str(parts[0]), dtype="float32")
+
+
+def test_light_gguf_index_reads_what_gguf_py_reads(smollm2_source):
+    """The index the packed load reads (gguf_index) against gguf-py's reader, on the real file."""
+    from pagoda.model.gguf_index import GGUFIndex, SkippedStrings
+
+    path = smollm2_source.path
+    full, light = gguf.GGUFReader(str(path)), GGUFIndex(path)
+    assert set(light.fields) == set(full.fields) - {k for k in full.fields if k.startswith("GGUF.")}
+    for key, field in light.fields.items():
+        want = full.fields[key].contents()
+        if isinstance(field.contents(), SkippedStrings):
+            assert len(field.contents()) == len(want) and isinstance(want[0], str)
+        else:
+            assert field.contents() == want, key
+    assert len(light.tensors) == len(full.tensors)
+    for a, b in zip(light.tensors, full.tensors):
+        assert (a.name, a.tensor_type, a.shape.tolist(), a.n_bytes) == (b.name, b.tensor_type, b.shape.tolist(), int(b.n_bytes))
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
+        assert np.array_equal(a.data[:2], b.data[:2]) and np.array_equal(a.data[-1:], b.data[-1:])
