@@ -35,6 +35,12 @@
 #   pagoda-serve  `pagoda serve` driven like the peers (HTTP, streaming): the like-for-like row.
 #   pagoda-serve-fp16kv  the same with `--kv-cache-dtype float16` (an fp32 model's K/V stored in
 #             half the bytes; not in the defaults, as it changes numerics: name it in PEERS or SERVE_PEERS).
+#   pagoda-serve-gguf  the same with `--quantization gguf`: the Q4_1 blocks kept packed, as llama.cpp
+#             runs them (not in the defaults: name it in PEERS or SERVE_PEERS).
+#
+# QUANTIZATION (default: none) is given to Pagoda's offline rows and to pagoda-serve as
+# `--quantization`: `QUANTIZATION=gguf PEERS="pagoda-serve-gguf llamacpp" SERVE_PEERS=none
+# benchmarks/compare_cpu.sh` puts Pagoda on the Q4_1 blocks beside llama.cpp on the same file.
 #
 # CPU-serve (docs/benchmarks.md): SERVE_PEERS (default "pagoda-serve vllm"; "none" to skip) are each
 # started once and sent 128 requests at 4 requests/s (Poisson), prompts in [32, 512], 128 output
@@ -62,6 +68,8 @@ PYTHON=${PYTHON:-.venv/bin/python}
 PAGODA=${PAGODA:-.venv/bin/pagoda}
 DTYPE=${DTYPE:-$("$PYTHON" -c 'from pagoda.model.loader import cpu_has_bf16; print("bfloat16" if cpu_has_bf16() else "float32")' 2>/dev/null || echo float32)}
 READY_TIMEOUT=${READY_TIMEOUT:-600}
+QUANT_ARGS=()
+[ -n "${QUANTIZATION:-}" ] && QUANT_ARGS=(--quantization "$QUANTIZATION")
 TOOLS=benchmarks/peer_tools.py
 VLLM_VERSION=0.32.0
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -163,9 +171,10 @@ cpu_line() {  # the machine, for every table
 start_server() {
     local system=$1 logfile=$2
     case $system in
-    pagoda-serve | pagoda-serve-fp16kv)
-        local extra=()
-        [ "$system" = pagoda-serve-fp16kv ] && extra=(--kv-cache-dtype float16)
+    pagoda-serve | pagoda-serve-fp16kv | pagoda-serve-gguf)
+        local extra=("${QUANT_ARGS[@]}")
+        [ "$system" = pagoda-serve-fp16kv ] && extra+=(--kv-cache-dtype float16)
+        [ "$system" = pagoda-serve-gguf ] && extra=(--quantization gguf)
         # The same cap on running requests as vLLM gets below (it decides how soon a queued prompt is
         # admitted, so TTFT against ITL under CPU-serve's overload).
         setsid "$PAGODA" serve --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" --max-num-seqs "$N" "${extra[@]}" \
@@ -281,14 +290,14 @@ log "pagoda offline"
 if [ "${OFFLINE:-1}" = 0 ]; then
     log "skipped (OFFLINE=0)"
 elif ! "$PAGODA" bench throughput --workload random --num-prompts "$N" --input-len-min "$LMIN" \
-    --input-len-max "$LMAX" --output-len "$OLEN" --seed 0 --runs "$RUNS" --dtype "$DTYPE" \
+    --input-len-max "$LMAX" --output-len "$OLEN" --seed 0 --runs "$RUNS" --dtype "$DTYPE" "${QUANT_ARGS[@]}" \
     --json "$OUT/pagoda-offline.json" 2>&1 | tee "$OUT/pagoda-offline.log"; then
     failed+=(pagoda-offline)
 fi
 
 if [ "${OFFLINE:-1}" != 0 ]; then
     log "pagoda offline single stream (128-token prompt, 256 output tokens)"
-    "$PAGODA" bench latency --input-lens 128 --output-len 256 --runs 3 --dtype "$DTYPE" \
+    "$PAGODA" bench latency --input-lens 128 --output-len 256 --runs 3 --dtype "$DTYPE" "${QUANT_ARGS[@]}" \
         --json "$OUT/pagoda-latency.json" 2>&1 | tee "$OUT/pagoda-latency.log" || failed+=(pagoda-latency)
 fi
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+# `--quantization`: weights kept quantized in memory (pagoda/model/quant_loader.py).
+QUANTIZATION_METHODS = ("gguf", "int8", "fp8")
 # The names `--dtype` takes (vLLM's) and the short ones the loader also accepts.
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _DTYPE_ALIASES = ("fp16", "bf16", "fp32")
@@ -105,6 +107,13 @@ class EngineArgs:
         "(CPU only; float16 keeps more precision, bfloat16 fp32's range)",
         choices=KV_CACHE_DTYPES,
     )
+    quantization: str | None = _arg(
+        None,
+        "keep the weights quantized in memory: gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks as they "
+        "are: about the file's size, fastest single streams), int8 (any model's linears, per-channel scales), "
+        "fp8 (GPU only, not yet implemented); default: none (a GGUF is dequantized to --dtype: best batch throughput)",
+        choices=QUANTIZATION_METHODS,
+    )
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N; auto: cuda when available, else cpu")
     seed: int = _arg(0, "random seed for sampling")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens; default: the model's context, capped at 8192")
@@ -170,6 +179,12 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}")
+        if self.quantization is not None and (self.tensor_parallel_size * self.pipeline_parallel_size > 1
+                                              or self.distributed_executor_backend not in (None, "uni")):
+            raise ValueError(f"quantization {self.quantization} runs on one rank in this process only so far "
+                             "(tensor and pipeline parallel size 1, executor uni)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.tensor_parallel_size < 1:

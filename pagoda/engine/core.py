@@ -58,7 +58,7 @@ class EngineCore:
         backend = resolve_backend(args.distributed_executor_backend, tp * pp)
         check_parallel_config(tp, pp, backend, self.device)
         if backend == "uni":
-            self.loaded = loaded or load_model(args.model, args.dtype, self.device)
+            self.loaded = loaded or load_model(args.model, args.dtype, self.device, args.quantization)
         elif args.speculative_config is not None:
             raise ValueError(f"speculative decoding runs in one process only (--distributed-executor-backend uni), "
                              f"not with {backend!r}")

@@ -21,6 +21,7 @@ import torch
 from pagoda.contracts.step import ScheduledRequest, SchedulerOutput
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_linear import logits_fn, pack_linears
+from pagoda.exec.quant_linear import install_quant_kernels
 from pagoda.exec.cpu_memory import keep_freed_memory
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
@@ -125,6 +126,7 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()  # each step's activations reuse resident pages instead of faulting
         self.sampler = Sampler()
+        install_quant_kernels(model, device)  # weights kept quantized: their CPU kernels
         self.compute_logits = logits_fn(model, device)
         pack_linears(model, device)  # after logits_fn, which reads the head's weight
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -51,6 +52,8 @@ def entry_dir(gguf_path: Path, kind: str) -> Path | None:
     size = gguf_path.stat().st_size
     if size > MAX_CACHED_GGUF_BYTES and kind != "tokenizer":
         return None
+    if re.fullmatch(r".+-\d{5}-of-\d{5}\.gguf", gguf_path.name) and kind != "tokenizer":
+        return None  # a split model's first part: the fingerprint would miss the other parts' weights
     return root / "gguf" / f"{gguf_path.stem}-{fingerprint(gguf_path, size)}" / kind
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from pagoda.model.errors import ModelLoadError
+from pagoda.model.quantized import QuantizedTensor
 
 # GGUF architecture -> (transformers config class name, architecture name)
 _ARCHS = {
@@ -41,24 +42,64 @@ _DERIVED = ("rope_freqs.weight",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 
-def open_gguf(path: Path):
-    """Parse a GGUF file once per process (parsing the tokenizer's arrays takes seconds); a file
-    replaced or rewritten since is parsed again."""
-    try:
-        st = Path(path).stat()
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read ({exc})") from None
-    return _open_gguf(Path(path), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+# llama.cpp's gguf-split (and gguf-py's writer) name the parts of a split model so.
+_SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf")
+
+
+class SplitGGUF:
+    """A model split over several GGUF files, read as one: the first part's metadata, every part's
+    tensors in order (`parts`: the readers, each mapping its own file)."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.fields = parts[0].fields
+        self.tensors = [t for part in parts for t in part.tensors]
+
+
+def split_parts(path: Path) -> list[Path]:
+    """The files of the model whose first part is `path` (just `path` unless it is named as a part)."""
+    m = _SPLIT_NAME.fullmatch(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    if int(m["index"]) != 1:
+        raise ModelLoadError(f"{path}: part {int(m['index'])} of a split GGUF; give its first part, "
+                             f"{m['stem']}-00001-of-{m['count']}.gguf")
+    parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{m['count']}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelLoadError(f"{path}: split GGUF of {count} parts lacks {', '.join(missing)}")
+    return parts
+
+
+def open_gguf(path: Path, light: bool = False):
+    """Parse a GGUF file (or every part of a split one) once per process (parsing the tokenizer's
+    arrays takes seconds); a file replaced or rewritten since is parsed again. `light`: without the
+    arrays of strings (gguf_index.GGUFIndex), for loading weights without the tokenizer."""
+    parts = split_parts(Path(path))
+    signatures = []
+    for part in parts:
+        try:
+            st = part.stat()
+        except OSError as exc:
+            raise ModelLoadError(f"{part}: cannot read ({exc})") from None
+        signatures.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return _open_gguf(tuple(parts), tuple(signatures), light)
 
 
 @lru_cache(maxsize=2)
-def _open_gguf(path: Path, signature: tuple):
+def _open_gguf(paths: tuple[Path, ...], signatures: tuple, light: bool = False):
     import gguf
 
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises assorted errors on a file that is not GGUF
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
+    from pagoda.model.gguf_index import GGUFIndex
+
+    readers = []
+    for path in paths:
+        try:
+            readers.append(GGUFIndex(path) if light else gguf.GGUFReader(str(path)))
+        except Exception as exc:  # the reader raises assorted errors on a file that is not GGUF
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
+    return readers[0] if len(readers) == 1 else SplitGGUF(readers)
 
 
 def _field(reader, key: str, default=None):
@@ -178,8 +219,10 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def gguf_tensors(reader, path: Path, config, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, dequantized tensor) pairs, one tensor at a time."""
+def gguf_tensors(reader, path: Path, config, dtype: torch.dtype,
+                 keep_quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (Hugging Face name, dequantized tensor) pairs, one tensor at a time; the GGUF tensors
+    named in `keep_quantized` come as their packed blocks (a QuantizedTensor) instead."""
     from gguf.quants import dequantize
 
     arch = _field(reader, "general.architecture")
@@ -196,6 +239,9 @@ def gguf_tensors(reader, path: Path, config, dtype: torch.dtype) -> Iterator[tup
                 f"(supported: {', '.join(SUPPORTED_TYPES)})"
             )
         shape = tuple(int(d) for d in reversed(t.shape))
+        if t.name in keep_quantized:
+            yield name, _packed(t, kind, shape, arch, config)
+            continue
         if kind == "BF16":
             raw = np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16
             array = raw.view(np.float32).reshape(shape)
@@ -207,3 +253,16 @@ def gguf_tensors(reader, path: Path, config, dtype: torch.dtype) -> Iterator[tup
             elif t.name.endswith("attn_k.weight"):
                 array = _unpermute_rotary(array, config.num_key_value_heads)
         yield name, torch.from_numpy(np.array(array, copy=True) if not array.flags.writeable else array).to(dtype)
+
+
+def _packed(t, kind: str, shape: tuple[int, ...], arch: str, config) -> QuantizedTensor:
+    """A 2-D tensor's blocks as they lie in the file, rows in Hugging Face order (a copy, so the
+    file's pages need not stay resident)."""
+    rows = np.asarray(t.data).reshape(shape[0], -1)
+    if arch in ("llama", "mistral"):
+        if t.name.endswith("attn_q.weight"):
+            rows = _unpermute_rotary(rows, config.num_attention_heads)
+        elif t.name.endswith("attn_k.weight"):
+            rows = _unpermute_rotary(rows, config.num_key_value_heads)
+    data = torch.from_numpy(np.array(rows, dtype=np.uint8, copy=True))
+    return QuantizedTensor(kind, shape[0], shape[1], data)

@@ -219,9 +219,12 @@ class LlamaForCausalLM(nn.Module):
         """None on a pipeline stage before the last, which has no head."""
         if not self.pp.is_last:
             return None
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # A head kept quantized (model/quantized.QuantLinear) has no float weight: None here too.
+        return self.model.embed_tokens.weight if self.lm_head is None else getattr(self.lm_head, "weight", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None and not isinstance(self.lm_head, nn.Linear):
+            return self.lm_head(hidden)  # quantized: its own kernel
         logits = hidden @ self.lm_head_weight().t()
         return logits if self.gather_logits is None else self.gather_logits(logits)
 

@@ -96,9 +96,10 @@ def cpu_has_bf16() -> bool:
     return not {"avx512_bf16", "amx_bf16"}.isdisjoint(cpu_flags().split())
 
 
-def load_config(source: ModelSource, use_cache: bool = True):
-    """The model's config: from GGUF metadata, a Hugging Face folder's config.json, or (for a GGUF
-    whose conversion is cached) the cache's complete config.json read without transformers."""
+def load_config(source: ModelSource, use_cache: bool = True, light: bool = False):
+    """The model's config: from GGUF metadata (`light`: read without its tokenizer, gguf_index), a
+    Hugging Face folder's config.json, or (for a GGUF whose conversion is cached) the cache's
+    complete config.json read without transformers."""
     if source.is_gguf:
         if use_cache:
             # Any dtype's entry will do: the config does not depend on the dtype.
@@ -111,7 +112,7 @@ def load_config(source: ModelSource, use_cache: bool = True):
                     logger.warning("ignoring the load cache entry %s: %s", cached, exc)
         from pagoda.model.gguf_file import gguf_config, open_gguf
 
-        return gguf_config(open_gguf(source.path), source.path)
+        return gguf_config(open_gguf(source.path, light), source.path)
     from transformers import AutoConfig
 
     try:
@@ -290,27 +291,37 @@ def describe_model(model: str | None = None, dtype: str | torch.dtype = "auto", 
     return LoadedModel(None, config, arch, source, torch_dtype)
 
 
-def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               quantization: str | None = None) -> LoadedModel:
+    """`quantization` (None, "gguf", "int8"): weights kept quantized in memory (quant_loader)."""
     import torch
 
+    from pagoda.model import quant_loader
     from pagoda.model.registry import resolve_architecture
 
     device = torch.device(device)
     source = resolve_model(model)
+    quant_loader.check_quantization(quantization, device, source.is_gguf)
     torch_dtype = resolve_dtype(dtype, device)
-    cached = gguf_cache.lookup(source.path, _weights_kind(torch_dtype)) if source.is_gguf else None
+    # Packed GGUF blocks need no load cache: the file is already the compact form.
+    use_cache = source.is_gguf and quantization != "gguf"
+    cached = gguf_cache.lookup(source.path, _weights_kind(torch_dtype)) if use_cache else None
     if cached:
         try:
-            return _load_cached(cached, source, torch_dtype, device)
+            return quant_loader.requantize(_load_cached(cached, source, torch_dtype, device), quantization)
         except (MemoryError, torch.cuda.OutOfMemoryError):
             raise  # not the entry's fault
         except Exception as exc:  # a damaged entry only costs this start its speed, and is replaced
             logger.warning("ignoring the load cache entry %s: %s", cached, exc)
             gguf_cache.discard(source.path, _weights_kind(torch_dtype))
-    config = load_config(source, use_cache=False)
+    config = load_config(source, use_cache=False, light=quantization == "gguf")
     arch, cls = resolve_architecture(config, str(source.path))
     where = source.path if source.is_gguf else source.path / "config.json"
-    net = _build_on_meta(cls, config, arch, torch_dtype, where).to_empty(device=device)
+    net = _build_on_meta(cls, config, arch, torch_dtype, where)
+    if quantization == "gguf":
+        net = quant_loader.load_packed_gguf(net, source.path, config, torch_dtype, device, _materialize_rotary)
+        return LoadedModel(net.eval(), config, arch, source, torch_dtype)
+    net = net.to_empty(device=device)
     _materialize_rotary(net, device)
     weights = source_tensors(source, config, torch_dtype)
     with torch.no_grad():
@@ -318,7 +329,7 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     net.eval()
     if source.is_gguf:
         _store_converted(source.path, torch_dtype, config, net)
-    return LoadedModel(net, config, arch, source, torch_dtype)
+    return quant_loader.requantize(LoadedModel(net, config, arch, source, torch_dtype), quantization)
 
 
 def load_tokenizer(source: ModelSource):

@@ -1,0 +1,108 @@
+"""CPU kernels for weights kept quantized (csrc/quant_matmul.cpp), given to the model's quantized
+layers (model/quantized.py) the way cpu_linear gives its linears oneDNN's packed path.
+
+For up to 8 rows (decode, small batches) each weight row's blocks are dequantized in cache and
+multiplied into every activation row at once: the weights are read once per step in their packed
+size. For more rows the weight is dequantized (whole, or in tiles for a large head) to the
+activations' dtype and multiplied by oneDNN's GEMM, whose cost the dequantization barely adds to. The instruction set (AVX-512, AVX2, scalar) is picked at run time from
+the CPU; PAGODA_QUANT_ISA=avx2|scalar forces a narrower one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from pagoda.cpp_build import build_cpu_extension
+from pagoda.exec.cpu_linear import bucket_rows
+from pagoda.model.loader import cpu_has_bf16
+from pagoda.model.quantized import QuantEmbedding, QuantizedTensor, QuantLinear, quantized_modules
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.cpp"
+# Up to this many rows the fused kernel (weights read once, in their packed size) is the fast one.
+FUSED_ROWS = 8
+# For more rows, a weight is dequantized for the GEMM whole, or in tiles of at most this many bytes
+# (SmolLM2's largest linear is 7 MB in float32; its tied head, 113 MB, goes in four tiles).
+_GEMM_TILE_BYTES = 32 << 20
+# The C++ kernel's own GEMM path (torch.mm over dequantized tiles of this many rows): for callers
+# that hand it many rows directly, such as the kernel tests.
+TILE_ROWS = 256
+
+
+@lru_cache(maxsize=1)
+def load_quant_kernels() -> ModuleType | None:
+    """The compiled module, or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+    ops = build_cpu_extension("pagoda_quant_matmul", _SOURCE, "quantized matmul kernels")
+    if ops is not None and os.environ.get("PAGODA_QUANT_ISA"):
+        ops.set_isa(os.environ["PAGODA_QUANT_ISA"])
+    return ops
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight).T -> [M, N] in x's dtype."""
+    ops = load_quant_kernels()
+    x = x.contiguous()
+    if x.shape[0] <= FUSED_ROWS:
+        return ops.quant_matmul(x, weight.data, weight.type_id, weight.scale, TILE_ROWS)
+    rows = max(1, _GEMM_TILE_BYTES // (4 * weight.cols))
+    if rows >= weight.rows:
+        return _gemm(x, ops.dequantize_rows(weight.data, weight.type_id, weight.cols, weight.scale, 0, weight.rows))
+    out = x.new_empty((x.shape[0], weight.rows))
+    for start in range(0, weight.rows, rows):
+        count = min(rows, weight.rows - start)
+        tile = ops.dequantize_rows(weight.data, weight.type_id, weight.cols, weight.scale, start, count)
+        out[:, start:start + count] = _gemm(x, tile)
+    return out
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T through oneDNN where it serves x's dtype (2x torch.mm's speed on SmolLM2's shapes
+    with prompts of 64-512 tokens, even from a plain, unpacked weight), rows padded as cpu_linear
+    pads them so that the primitives oneDNN builds stay few."""
+    weight = weight.to(x.dtype)
+    if not _onednn_serves(x.dtype):
+        return torch.nn.functional.linear(x, weight)
+    m = x.shape[0]
+    padded = bucket_rows(m)
+    if padded != m:
+        x = torch.cat([x, x.new_zeros((padded - m, x.shape[1]))])
+    out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return out[:m] if padded != m else out
+
+
+@lru_cache(maxsize=4)
+def _onednn_serves(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available() or os.environ.get("PAGODA_NO_ONEDNN") == "1":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_bf16()
+                                      and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def quant_gather(weight: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the dequantized weight, float32."""
+    return load_quant_kernels().gather_rows(weight.data, weight.type_id, weight.cols, weight.scale, ids)
+
+
+def install_quant_kernels(model: nn.Module, device: torch.device) -> int:
+    """Give every quantized layer of `model` the CPU kernels; returns how many. Without a build
+    the layers keep their (slow) dequantize-everything fallback, with a warning."""
+    modules = quantized_modules(model)
+    if not modules or device.type != "cpu":
+        return 0
+    if load_quant_kernels() is None:
+        logger.warning("quantized matmul kernels unavailable: %d quantized layers dequantize on every call", len(modules))
+        return 0
+    for module in modules:
+        if isinstance(module, QuantLinear):
+            module.kernel = quant_matmul
+        elif isinstance(module, QuantEmbedding):
+            module.gather = quant_gather
+    return len(modules)

@@ -1,0 +1,200 @@
+"""Loading a model whose weights stay quantized in memory (`--quantization`, vLLM's flag).
+
+`gguf`: a GGUF's linear and embedding weights in a format with kernels (quantized.GGUF_KERNEL_TYPES)
+are kept as the file's blocks, never dequantized, so resident weight memory is about the file's
+size; norms and any float tensors load as usual. `int8`: any model's linears (not the embedding or
+the LM head) become int8 with one float32 scale per output channel, computed at load.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import re
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pagoda.model.errors import ModelLoadError
+from pagoda.model.mmap_weights import release_pages
+from pagoda.model.quantized import (
+    GGUF_KERNEL_TYPES, QUANTIZATIONS, QuantEmbedding, QuantizedTensor, QuantLinear, quantize_int8,
+)
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+# GGUF tensor name -> (our module under model.layers.N, shard within it, shards): the merged
+# projections take several GGUF tensors each.
+_LAYER_TARGETS = {
+    "attn_q": ("self_attn.qkv_proj", 0, 3), "attn_k": ("self_attn.qkv_proj", 1, 3),
+    "attn_v": ("self_attn.qkv_proj", 2, 3), "attn_output": ("self_attn.o_proj", 0, 1),
+    "ffn_gate": ("mlp.gate_up_proj", 0, 2), "ffn_up": ("mlp.gate_up_proj", 1, 2),
+    "ffn_down": ("mlp.down_proj", 0, 1),
+}
+_TOP_TARGETS = {"token_embd": ("model.embed_tokens", 0, 1), "output": ("lm_head", 0, 1)}
+
+
+def check_quantization(quantization: str | None, device: torch.device, source_is_gguf: bool,
+                       parallel: int = 1) -> None:
+    """One line (ModelLoadError) for a quantization this model, device or layout cannot run."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization {quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+    if quantization == "fp8":
+        if device.type != "cuda":
+            raise ModelLoadError(f"quantization fp8 needs a CUDA GPU (e4m3 weights); the device is {device.type}")
+        raise ModelLoadError("quantization fp8 is not implemented yet; on a GPU use the model's dtype")
+    if device.type != "cpu":
+        raise ModelLoadError(f"quantization {quantization} runs on the CPU only so far; the device is {device.type}")
+    if quantization == "gguf" and not source_is_gguf:
+        raise ModelLoadError("quantization gguf needs a .gguf model; for a Hugging Face folder use --quantization int8")
+    if parallel > 1:
+        raise ModelLoadError(f"quantization {quantization} runs on one rank only so far (tensor/pipeline parallel size 1)")
+
+
+def _target(gguf_name: str) -> tuple[str, int, int] | None:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if m and m.group(2) in _LAYER_TARGETS:
+        module, shard, shards = _LAYER_TARGETS[m.group(2)]
+        return f"model.layers.{m.group(1)}.{module}", shard, shards
+    m = re.fullmatch(r"(\w+)\.weight", gguf_name)
+    if m and m.group(1) in _TOP_TARGETS:
+        return _TOP_TARGETS[m.group(1)]
+    return None
+
+
+def gguf_kept_tensors(reader, path) -> dict[str, tuple[str, int, int]]:
+    """The GGUF tensors to keep quantized -> their target module. A merged projection is kept only
+    when all its parts have kernels; a quantized type without one is refused, naming it."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    targets: dict[str, tuple[str, int, int]] = {}
+    for t in reader.tensors:
+        target = _target(t.name)
+        if target is None or len(t.shape) != 2:
+            continue
+        kind = t.tensor_type.name
+        if kind not in GGUF_KERNEL_TYPES and kind not in _FLOAT_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {t.name!r} has GGUF type {kind}, which --quantization gguf cannot run "
+                f"quantized (supported: {', '.join(GGUF_KERNEL_TYPES)}); without --quantization it is dequantized"
+            )
+        groups.setdefault(target[0], []).append((t.name, kind))
+        targets[t.name] = target
+    kept = {}
+    for members in groups.values():
+        if all(kind in GGUF_KERNEL_TYPES for _, kind in members):
+            kept.update({name: targets[name] for name, _ in members})
+    return kept
+
+
+def replace_gguf_modules(net: nn.Module, kept: dict[str, tuple[str, int, int]], dtype: torch.dtype) -> None:
+    """Swap (on the meta device, before any storage exists) the modules whose weights stay packed."""
+    for module_path in {target for target, _, _ in kept.values()}:
+        parent_path, _, attr = module_path.rpartition(".")
+        parent = net.get_submodule(parent_path) if parent_path else net
+        old = getattr(parent, attr)
+        if isinstance(old, nn.Embedding):
+            new = QuantEmbedding(old.num_embeddings, old.embedding_dim, dtype)
+        elif isinstance(old, nn.Linear):
+            with torch.device("meta"):
+                new = QuantLinear(old.in_features, old.out_features, old.bias is not None, dtype)
+        else:
+            raise ModelLoadError(f"{module_path}: cannot hold a quantized weight ({type(old).__name__})")
+        setattr(parent, attr, new)
+    embed = getattr(net.model, "embed_tokens", None)
+    if isinstance(embed, QuantEmbedding) and net.lm_head is None:
+        # The tied head reads the embedding's blocks: one copy serves both.
+        net.lm_head = QuantLinear(embed.embedding_dim, embed.num_embeddings)
+
+
+def divert_quantized(weights: Iterable, kept: dict[str, tuple[str, int, int]], by_hf_name: dict[str, str],
+                     pending: dict[str, dict[int, QuantizedTensor]]) -> Iterator:
+    """Pass float tensors on (to load_weights); collect the packed ones by target module and shard."""
+    for name, tensor in weights:
+        if isinstance(tensor, QuantizedTensor):
+            target, shard, _ = kept[by_hf_name[name]]
+            pending.setdefault(target, {})[shard] = tensor
+        else:
+            yield name, tensor
+
+
+def install_packed(net: nn.Module, kept: dict[str, tuple[str, int, int]], pending: dict[str, dict[int, QuantizedTensor]],
+                   path) -> None:
+    shards = {target: count for target, _, count in kept.values()}
+    for target, count in shards.items():
+        got = pending.get(target, {})
+        if sorted(got) != list(range(count)):
+            raise ModelLoadError(f"{path}: {target} lacks some of its {count} quantized parts")
+        module = net.get_submodule(target)
+        parts = [got[i] for i in range(count)]
+        try:
+            if isinstance(module, QuantEmbedding):
+                module.weight_q = parts[0]
+            else:
+                module.set_parts(parts)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {target}: {exc}") from None
+    embed = getattr(net.model, "embed_tokens", None)
+    if isinstance(embed, QuantEmbedding) and isinstance(net.lm_head, QuantLinear) and not net.lm_head.parts:
+        net.lm_head.set_parts([embed.weight_q])
+
+
+def release_file_pages(reader) -> None:
+    """Drop the GGUF mappings' resident pages (each part's of a split file): every packed tensor
+    was copied out of them."""
+    for part in getattr(reader, "parts", [reader]):
+        mapping = getattr(getattr(part, "data", None), "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mapping.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):  # a closed or foreign mapping: only memory is at stake
+                pass
+
+
+def quantize_linears_int8(net: nn.Module) -> int:
+    """Replace every nn.Linear but the LM head with an int8 QuantLinear; returns how many."""
+    targets = [
+        (parent, name, child)
+        for parent in net.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and name != "lm_head"
+    ]
+    dropped = []
+    for parent, name, child in targets:
+        new = QuantLinear(child.in_features, child.out_features, False)
+        new.set_parts([quantize_int8(child.weight)])
+        new.bias = child.bias
+        setattr(parent, name, new)
+        dropped.append(child.weight)
+    release_pages(dropped)  # weights mapped from the load cache would otherwise stay resident
+    return len(targets)
+
+
+def load_packed_gguf(net: nn.Module, path, config, dtype: torch.dtype, device: torch.device, materialize) -> nn.Module:
+    """`net` (built on the meta device) with the GGUF's weights: kernel-ready blocks packed, the
+    rest dequantized to `dtype`; `materialize(net, device)` fills in what the model computes itself."""
+    from pagoda.model.gguf_file import _hf_name, gguf_tensors, open_gguf
+
+    reader = open_gguf(path, light=True)
+    kept = gguf_kept_tensors(reader, path)
+    replace_gguf_modules(net, kept, dtype)
+    net = net.to_empty(device=device)
+    materialize(net, device)
+    pending: dict[str, dict[int, QuantizedTensor]] = {}
+    by_hf_name = {_hf_name(name): name for name in kept}
+    weights = gguf_tensors(reader, path, config, dtype, keep_quantized=frozenset(kept))
+    with torch.no_grad():
+        net.load_weights(divert_quantized(weights, kept, by_hf_name, pending), source=str(path))
+    install_packed(net, kept, pending, path)
+    release_file_pages(reader)
+    return net
+
+
+def requantize(loaded, quantization: str | None):
+    """A loaded model (loader.LoadedModel) with its linears made int8 under --quantization int8."""
+    if quantization == "int8":
+        quantize_linears_int8(loaded.model)
+    return loaded

@@ -1,0 +1,160 @@
+"""Weights kept quantized in memory: the packed tensor (plain data) and the layers that hold it.
+
+A `QuantizedTensor` is a weight matrix in one of the block formats the CPU kernels read (GGUF's
+Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K as they lie in the file, or int8 rows with a float32 scale per
+output channel). `QuantLinear` and `QuantEmbedding` stand in for nn.Linear and nn.Embedding. Their
+matmul and row lookup are supplied by the execution layer (`exec/quant_linear.py` sets `kernel`),
+which picks the kernel by the weight's format and the device; without one they fall back to
+dequantizing the whole matrix on every call (correct, slow: only for builds without the C++ kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagoda.config import QUANTIZATION_METHODS as QUANTIZATIONS  # `--quantization`, vLLM's flag
+
+# GGUF types with kernels: kept quantized under --quantization gguf. (ggml's type ids, which the
+# kernels are keyed by.)
+GGUF_KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+INT8_TYPE_ID = 24  # ggml's I8: int8 rows; here with a per-row scale
+# weights per block and bytes per block
+BLOCK_LAYOUT = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
+                "Q6_K": (256, 210), "int8": (32, 32)}
+
+
+@dataclass
+class QuantizedTensor:
+    """A [rows, cols] weight as packed bytes: `data` is uint8 [rows, bytes per row] (int8 weights
+    viewed as bytes); `scale`, int8 only, float32 [rows]."""
+
+    qtype: str
+    rows: int
+    cols: int
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def type_id(self) -> int:
+        return INT8_TYPE_ID if self.qtype == "int8" else GGUF_KERNEL_TYPES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + (0 if self.scale is None else self.scale.numel() * 4)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix: gguf-py's dequantization, or int8 times its scales."""
+        if self.qtype == "int8":
+            return self.data.view(torch.int8).float() * self.scale[:, None]
+        import gguf
+        from gguf.quants import dequantize
+
+        array = dequantize(self.data.numpy(), gguf.GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(self.rows, self.cols)
+
+
+def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """One tensor of the parts' rows in order (they share a format and a row length)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    scale = None if first.scale is None else torch.cat([p.scale for p in parts])
+    data = torch.cat([p.data for p in parts])
+    return QuantizedTensor(first.qtype, sum(p.rows for p in parts), first.cols, data, scale)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
+    """Symmetric int8 per output channel: scale = max |w| / 127 over each row (1 for a zero row)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedTensor("int8", w.shape[0], w.shape[1], q.view(torch.uint8).contiguous(), scale.contiguous())
+
+
+class MatmulKernel(Protocol):
+    def __call__(self, x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor: ...
+
+
+def reference_matmul(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    return x @ weight.dequantize().to(x.dtype).t()
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W held quantized: one QuantizedTensor, or several (a merged projection
+    whose parts came in different formats), their outputs side by side."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.parts: list[QuantizedTensor] = []
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.kernel: MatmulKernel | None = None
+
+    def set_parts(self, parts: list[QuantizedTensor]) -> None:
+        """The weight's row blocks in order; runs of one format are merged into one tensor."""
+        merged: list[list[QuantizedTensor]] = []
+        for part in parts:
+            if merged and merged[-1][0].qtype == part.qtype:
+                merged[-1].append(part)
+            else:
+                merged.append([part])
+        self.parts = [concat_rows(run) for run in merged]
+        rows = sum(p.rows for p in self.parts)
+        if rows != self.out_features or any(p.cols != self.in_features for p in self.parts):
+            raise ValueError(f"quantized weight is {rows}x{self.parts[0].cols}, expected {self.out_features}x{self.in_features}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel or reference_matmul
+        flat = x.reshape(-1, self.in_features)
+        outs = [kernel(flat, part) for part in self.parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(p.qtype for p in self.parts) or "unloaded"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
+
+
+class RowKernel(Protocol):
+    def __call__(self, weight: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings held quantized; each lookup dequantizes only the rows it reads (to `dtype`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.weight_q: QuantizedTensor | None = None
+        self.gather: RowKernel | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gather is not None:
+            rows = self.gather(self.weight_q, ids.reshape(-1))
+        else:
+            rows = self.weight_q.dequantize()[ids.reshape(-1).long()]
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
+def quantized_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of the packed weights, each tensor once (a tied head shares the embedding's)."""
+    seen: dict[int, int] = {}
+    for module in quantized_modules(model):
+        tensors = module.parts if isinstance(module, QuantLinear) else [module.weight_q]
+        for t in tensors:
+            if t is not None:
+                seen[t.data.data_ptr()] = t.nbytes
+    return sum(seen.values())
+
