@@ -68,15 +68,21 @@ def moe_spec(config) -> MoESpec:
     return spec
 
 
-def check_moe_tp_config(config, tp: TPGroup) -> None:
-    """Raise ValueError, in one line, for experts that `tp` cannot split."""
+def is_moe(config) -> bool:
+    return getattr(config, "num_local_experts", None) is not None or getattr(config, "num_experts", None) is not None
+
+
+def check_expert_split(config, size: int, expert_parallel: bool) -> None:
+    """Raise ValueError, in one line, for experts that `size` ranks cannot split (nothing to check for
+    a dense model)."""
+    if not is_moe(config) or size == 1:
+        return
     spec = moe_spec(config)
-    if tp.expert_parallel and spec.num_experts < tp.size:
-        raise ValueError(f"expert parallelism over {tp.size} ranks needs at least {tp.size} experts; "
+    if expert_parallel and spec.num_experts < size:
+        raise ValueError(f"expert parallelism over {size} ranks needs at least {size} experts; "
                          f"the model has {spec.num_experts}")
-    if not tp.expert_parallel and spec.intermediate_size < tp.size:
-        raise ValueError(f"tensor_parallel_size {tp.size} exceeds the experts' intermediate size "
-                         f"{spec.intermediate_size}")
+    if not expert_parallel and spec.intermediate_size < size:
+        raise ValueError(f"tensor_parallel_size {size} exceeds the experts' intermediate size {spec.intermediate_size}")
 
 
 def expert_range(num_experts: int, tp: TPGroup) -> tuple[int, int]:
@@ -150,7 +156,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, architecture: str = "MixtralForCausalLM", tp: TPGroup = SINGLE,
                  pp: PPStage = SINGLE_STAGE) -> None:
-        check_moe_tp_config(config, tp)
+        check_expert_split(config, tp.size, tp.expert_parallel)
         super().__init__(config, architecture, tp, pp)
         self.spec = moe_spec(config)
 
