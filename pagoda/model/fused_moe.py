@@ -33,14 +33,30 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+class StackedExperts:
+    """The experts' two projections as stacked weights: w13 [E, 2I, H] (each expert's gate rows, then
+    its up rows) and w2 [E, H, I]. Another implementation (oneDNN-packed weights on the CPU,
+    pagoda/exec/cpu_moe.py) offers the same three members."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13, self.w2 = w13, w2
+        self.num_experts, self.inter = w13.shape[0], w2.shape[2]
+
+    def gate_up(self, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mm(rows, self.w13[expert].t(), out=out)
+
+    def down(self, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mm(rows, self.w2[expert].t(), out=out)
+
+
+def fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torch.Tensor, ids: torch.Tensor,
                   expert_start: int = 0, global_experts: int | None = None) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights, ids [T, k] (ids
-    among `global_experts`, of which this rank holds E from `expert_start`; all of them by default).
+    """x [T, H]; weights, ids [T, k] (ids among `global_experts`, of which this rank holds
+    `experts.num_experts` from `expert_start`; all of them by default).
 
     Returns [T, H] in x's dtype: the weighted sum over each token's experts that this rank holds."""
     num_tokens, top_k = ids.shape
-    num_experts, inter = w13.shape[0], w2.shape[2]
+    num_experts, inter = experts.num_experts, experts.inter
     out = torch.zeros_like(x)
     if num_tokens == 0:
         return out
@@ -59,14 +75,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     start = 0
     for expert, count in enumerate(counts[:num_experts]):
         if count:
-            torch.mm(sorted_x[start : start + count], w13[expert].t(), out=gate_up[start : start + count])
+            experts.gate_up(expert, sorted_x[start : start + count], gate_up[start : start + count])
             start += count
     act = silu_and_mul(gate_up)
     down = x.new_empty(rows, x.shape[1])
     start = 0
     for expert, count in enumerate(counts[:num_experts]):
         if count:
-            torch.mm(act[start : start + count], w2[expert].t(), out=down[start : start + count])
+            experts.down(expert, act[start : start + count], down[start : start + count])
             start += count
     scale = weights.reshape(-1).index_select(0, order)
     if x.dtype == torch.float32:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagoda.model.errors import ModelLoadError
-from pagoda.model.fused_moe import fused_experts, select_experts
+from pagoda.model.fused_moe import StackedExperts, fused_experts, select_experts
 from pagoda.model.layers import silu_and_mul
 from pagoda.model.llama import LlamaForCausalLM, LlamaMLP
 from pagoda.model.pipeline import SINGLE_STAGE, PPStage
@@ -108,11 +108,15 @@ class FusedMoE(nn.Module):
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
         self.w13_weight = nn.Parameter(torch.empty(end - self.expert_start, 2 * self.inter_count, hidden))
         self.w2_weight = nn.Parameter(torch.empty(end - self.expert_start, hidden, self.inter_count))
+        # What computes the projections: None for the stacked weights above; the runner may set
+        # another implementation (oneDNN-packed copies on the CPU, pagoda/exec/cpu_moe.py).
+        self.packed_experts = None
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the routed experts' output (summed over the ranks by the caller)."""
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids, self.expert_start, self.num_experts)
+        experts = self.packed_experts or StackedExperts(self.w13_weight, self.w2_weight)
+        return fused_experts(x, experts, weights, ids, self.expert_start, self.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.routed(x))
@@ -153,6 +157,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     """Serves MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM."""
 
     make_mlp = staticmethod(moe_mlp)
+    cuda_graphs_ok = False  # the fused experts read each expert's token count on the host
 
     def __init__(self, config, architecture: str = "MixtralForCausalLM", tp: TPGroup = SINGLE,
                  pp: PPStage = SINGLE_STAGE) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from pagoda import SamplingParams
 from pagoda.model.errors import ModelLoadError
-from pagoda.model.fused_moe import fused_experts, select_experts
+from pagoda.model.fused_moe import StackedExperts, fused_experts, select_experts
 from pagoda.model.loader import load_model
 from tests.conftest import hf_greedy, make_engine
 from tests.tiny_models import save_tiny_model
@@ -44,7 +44,7 @@ def test_fused_experts_equal_the_per_expert_loop(tokens, renormalize):
     x = torch.randn(tokens, 48, generator=g)
     logits = torch.randn(tokens, 8, generator=g)
     weights, ids = select_experts(logits, 2, renormalize)
-    got = fused_experts(x, w13, w2, weights, ids)
+    got = fused_experts(x, StackedExperts(w13, w2), weights, ids)
     want = naive_moe(x, w13, w2, weights, ids)
     assert got.shape == x.shape and got.dtype == x.dtype
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -57,12 +57,12 @@ def test_experts_without_tokens_and_every_token_on_one_expert():
     x = torch.randn(10, 48, generator=g)
     ids = torch.tensor([[3, 5]] * 10)  # only experts 3 and 5 get tokens; six get none
     weights = torch.rand(10, 2, generator=g)
-    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), naive_moe(x, w13, w2, weights, ids))
+    torch.testing.assert_close(fused_experts(x, StackedExperts(w13, w2), weights, ids), naive_moe(x, w13, w2, weights, ids))
     # An expert's weights that no token chose are never read: NaN there changes nothing.
     w13[0].fill_(float("nan"))
     w2[7].fill_(float("nan"))
-    assert torch.isfinite(fused_experts(x, w13, w2, weights, ids)).all()
-    assert fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 48)
+    assert torch.isfinite(fused_experts(x, StackedExperts(w13, w2), weights, ids)).all()
+    assert fused_experts(x[:0], StackedExperts(w13, w2), weights[:0], ids[:0]).shape == (0, 48)
 
 
 def test_fused_experts_bf16_close_to_float32():
@@ -70,7 +70,7 @@ def test_fused_experts_bf16_close_to_float32():
     x = torch.randn(32, 48, generator=g)
     weights, ids = select_experts(torch.randn(32, 8, generator=g), 2, True)
     want = naive_moe(x, w13, w2, weights, ids)
-    got = fused_experts(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+    got = fused_experts(x.bfloat16(), StackedExperts(w13.bfloat16(), w2.bfloat16()), weights, ids)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
 
@@ -81,12 +81,12 @@ def test_expert_and_tensor_slices_sum_to_the_whole():
     w13, w2, g = _experts(inter=24)
     x = torch.randn(20, 48, generator=g)
     weights, ids = select_experts(torch.randn(20, 8, generator=g), 2, False)
-    whole = fused_experts(x, w13, w2, weights, ids)
-    by_experts = sum(fused_experts(x, w13[s : s + 3], w2[s : s + 3], weights, ids, s, 8) for s in (0, 3, 6))
+    whole = fused_experts(x, StackedExperts(w13, w2), weights, ids)
+    by_experts = sum(fused_experts(x, StackedExperts(w13[s : s + 3], w2[s : s + 3]), weights, ids, s, 8) for s in (0, 3, 6))
     torch.testing.assert_close(by_experts, whole, atol=1e-5, rtol=1e-5)
     gate, up = w13.chunk(2, dim=1)
     halves = [(torch.cat([gate[:, r], up[:, r]], dim=1), w2[:, :, r]) for r in (slice(0, 10), slice(10, 24))]
-    by_rows = sum(fused_experts(x, a.contiguous(), b.contiguous(), weights, ids) for a, b in halves)
+    by_rows = sum(fused_experts(x, StackedExperts(a.contiguous(), b.contiguous()), weights, ids) for a, b in halves)
     torch.testing.assert_close(by_rows, whole, atol=1e-5, rtol=1e-5)
 
 
