@@ -147,9 +147,12 @@ def moe_mlp(config, layer: int, tp: TPGroup) -> nn.Module:
 
 
 # A checkpoint's expert tensors: one per expert and projection (Mixtral's w1/w3/w2, Qwen's
-# gate/up/down_proj), or stacked over the experts (transformers 5's in-memory gate_up_proj/down_proj).
+# gate/up/down_proj), or stacked over the experts (transformers 5's in-memory gate_up_proj and
+# down_proj; a GGUF's gate, up and down apiece).
 _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
-_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)")
+# Pagoda's own stacked parameters (the GGUF load cache's layout) under the names above.
+_OWN = {".mlp.w13_weight": ".mlp.experts.gate_up_proj", ".mlp.w2_weight": ".mlp.experts.down_proj"}
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -201,6 +204,9 @@ class MoEForCausalLM(LlamaForCausalLM):
         """The non-expert tensors, for the dense loader; expert tensors go into w13 and w2 here."""
         for name, tensor in weights:
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the block
+            for own, stacked_name in _OWN.items():
+                if name.endswith(own):
+                    name = name.removesuffix(own) + stacked_name
             per, stacked = _PER_EXPERT.fullmatch(name), _STACKED.fullmatch(name.removesuffix(".weight"))
             if per is None and stacked is None:
                 yield name, tensor
@@ -211,8 +217,9 @@ class MoEForCausalLM(LlamaForCausalLM):
             if per is not None:
                 self._load_expert(layer, int(per.group(2)), _PART[per.group(3)], tensor, name, loaded, source)
                 continue
+            kind = stacked.group(2)
             for e in range(tensor.shape[0]):
-                parts = ("gate", "up") if stacked.group(2) == "gate_up_proj" else ("down",)
+                parts = ("gate", "up") if kind == "gate_up_proj" else (kind.removesuffix("_proj"),)
                 for part, piece in zip(parts, tensor[e].chunk(len(parts))):
                     self._load_expert(layer, e, part, piece, name, loaded, source)
 

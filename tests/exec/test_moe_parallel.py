@@ -6,6 +6,7 @@ happening, TP=1's greedy tokens."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue as queue_module
 import time
 
@@ -35,7 +36,22 @@ def folders(tmp_path_factory):
         folder = tmp_path_factory.mktemp(name)
         save_tiny_model(arch, folder, **overrides)
         out[name] = str(folder)
-    return out
+    # Qwen2-MoE as a GGUF, whose conversion one load caches: the ranks read their shards from the
+    # cache's stacked experts (the spawned ranks inherit PAGODA_CACHE_DIR).
+    from pagoda.model.loader import load_model
+    from tests.model.test_moe_gguf import write_moe_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "qwen2_moe.gguf"
+    write_moe_gguf(save_tiny_model("qwen2_moe", path.parent / "hf"), path, "qwen2moe")
+    previous = os.environ.get("PAGODA_CACHE_DIR")
+    os.environ["PAGODA_CACHE_DIR"] = str(path.parent / "cache")
+    load_model(str(path), "float32")
+    out["qwen2_moe_gguf"] = str(path)
+    yield out
+    if previous is None:
+        os.environ.pop("PAGODA_CACHE_DIR")
+    else:
+        os.environ["PAGODA_CACHE_DIR"] = previous
 
 
 def test_expert_splits_refused_in_one_line():
