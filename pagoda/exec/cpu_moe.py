@@ -1,4 +1,5 @@
-"""oneDNN-packed experts on the CPU: each expert's gate-up and down weights packed once into
+"""The kernels an MoE's experts run on (`prepare_experts`): on CUDA the Triton grouped GEMM
+(triton_moe.py); on the CPU oneDNN-packed experts: each expert's gate-up and down weights packed once into
 oneDNN's blocked layout, as the dense layers' linears are (cpu_linear.py), for the fused MoE layer
 (pagoda/model/fused_moe.py), which calls them expert by expert over each expert's run of rows.
 
@@ -52,3 +53,14 @@ def pack_experts(model: nn.Module, device: torch.device) -> int:
         layer.w13_weight.data = layer.w13_weight.data.new_empty(0)
         layer.w2_weight.data = layer.w2_weight.data.new_empty(0)
     return len(layers)
+
+
+def prepare_experts(model: nn.Module, device: torch.device, triton_ok: bool) -> None:
+    """The experts' kernels for `device`: packed on the CPU, the Triton grouped GEMM on CUDA (where
+    `triton_ok`: the runner's attention found triton importable), torch.mm otherwise."""
+    if device.type == "cpu":
+        pack_experts(model, device)
+    elif device.type == "cuda" and triton_ok:
+        from pagoda.exec.triton_moe import use_triton_experts
+
+        use_triton_experts(model)

@@ -21,7 +21,7 @@ import torch
 from pagoda.contracts.step import ScheduledRequest, SchedulerOutput
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_linear import logits_fn, pack_linears
-from pagoda.exec.cpu_moe import pack_experts
+from pagoda.exec.cpu_moe import prepare_experts
 from pagoda.exec.cpu_memory import keep_freed_memory
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
@@ -128,7 +128,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.compute_logits = logits_fn(model, device)
         pack_linears(model, device)  # after logits_fn, which reads the head's weight
-        pack_experts(model, device)
+        prepare_experts(model, device, triton_ok=not isinstance(self.backend, TorchPagedAttention))
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         # Rows for running requests plus those finishing in the same step as others are admitted.
         self.block_tables = _BlockTables(2 * max_num_seqs, max_blocks)

@@ -11,6 +11,10 @@ one weighting by the routing weights and one `index_add_` scatter back to the to
 the experts that received a token (at most E, at most T * k), never over tokens; an expert with no
 token costs nothing, so a decode step reads only the active experts' weights.
 
+The matmuls go through an experts object (`StackedExperts` here, oneDNN-packed copies from
+pagoda/exec/cpu_moe.py); on CUDA the runner replaces this whole function by a Triton grouped GEMM
+with the same contract (pagoda/exec/triton_moe.py).
+
 With expert parallelism a rank holds experts [expert_start, expert_start + E_local): pairs routed
 elsewhere are dropped here, and the sum over ranks (the caller's all-reduce) adds them back.
 """

@@ -109,14 +109,16 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(end - self.expert_start, 2 * self.inter_count, hidden))
         self.w2_weight = nn.Parameter(torch.empty(end - self.expert_start, hidden, self.inter_count))
         # What computes the projections: None for the stacked weights above; the runner may set
-        # another implementation (oneDNN-packed copies on the CPU, pagoda/exec/cpu_moe.py).
+        # another implementation (oneDNN-packed copies on the CPU, pagoda/exec/cpu_moe.py), and
+        # another kernel over the stacked weights (a Triton grouped GEMM on CUDA, exec/triton_moe.py).
         self.packed_experts = None
+        self.experts_kernel = fused_experts
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the routed experts' output (summed over the ranks by the caller)."""
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         experts = self.packed_experts or StackedExperts(self.w13_weight, self.w2_weight)
-        return fused_experts(x, experts, weights, ids, self.expert_start, self.num_experts)
+        return self.experts_kernel(x, experts, weights, ids, self.expert_start, self.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.routed(x))
