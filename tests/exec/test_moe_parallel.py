@@ -147,3 +147,18 @@ def test_tp2_greedy_tokens_equal_tp1_under_chunking_caching_and_preemption(folde
         llm.engine.core.shutdown()
     assert preemptions > 0
     assert got == want
+
+
+def test_the_flag_reaches_the_ranks_init(monkeypatch):
+    """Unit check of the plumbing (the greedy test above runs it for real): EngineArgs ->
+    WorkerInit, which each rank turns into its TPGroup."""
+    from pagoda.config import EngineArgs
+    from pagoda.exec import mp_executor
+    from pagoda.exec.executor import make_distributed_executor
+
+    seen = []
+    monkeypatch.setattr(mp_executor, "MultiprocExecutor", lambda init, threads: seen.append(init))
+    for flag in (False, True):
+        make_distributed_executor(EngineArgs(model="unused", tensor_parallel_size=2, enable_expert_parallel=flag),
+                                  "mp", 8, 64, "float32")
+    assert [init.enable_expert_parallel for init in seen] == [False, True]
