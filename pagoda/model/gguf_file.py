@@ -35,8 +35,10 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    # Mixtures of experts: the router, each projection stacked over the experts ([E, I, H] or
-    # [E, H, I]), Qwen2-MoE's shared expert and its gate.
+}
+# Mixtures of experts only (a dense model refuses these): the router, each projection stacked over
+# the experts ([E, I, H] or [E, H, I]), Qwen2-MoE's shared expert and its gate.
+_MOE_LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
@@ -203,10 +205,10 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, moe: bool = False) -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m:
-        inner = _LAYER_NAMES.get(m.group(2))
+        inner = _LAYER_NAMES.get(m.group(2)) or (_MOE_LAYER_NAMES.get(m.group(2)) if moe else None)
         return None if inner is None else f"model.layers.{m.group(1)}.{inner}.{m.group(3)}"
     m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
     if m and m.group(1) in _TOP_NAMES:
@@ -219,8 +221,9 @@ def gguf_tensors(reader, path: Path, config, dtype: torch.dtype) -> Iterator[tup
     from gguf.quants import dequantize
 
     arch = _field(reader, "general.architecture")
+    moe = getattr(config, "num_local_experts", None) is not None or getattr(config, "num_experts", None) is not None
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, moe)
         if name is None:
             if t.name in _DERIVED or re.fullmatch(r"blk\.\d+\.attn_rot_embd(\.weight)?", t.name):
                 continue  # read into the config (rope_freqs), or recomputed from it
