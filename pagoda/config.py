@@ -138,6 +138,10 @@ class EngineArgs:
     served_model_name: str | None = _arg(None, "the name clients use for the model", cli="subcommand")
     tensor_parallel_size: int = _arg(1, "ranks each layer is split over (tensor parallelism)", short="-tp")
     pipeline_parallel_size: int = _arg(1, "stages the layers are split into (pipeline parallelism)", short="-pp")
+    enable_expert_parallel: bool = _arg(
+        False, "mixture-of-experts layers under tensor parallelism: each rank holds whole experts (E / tp of "
+        "them) instead of a slice of every expert",
+    )
     distributed_executor_backend: str | None = _arg(
         None, "how the ranks run: uni (this process, one rank), mp (a worker process per rank on this machine) "
         "or ray; default: uni for one rank, else mp", choices=EXECUTOR_BACKENDS,

@@ -37,6 +37,17 @@ def tiny_config(arch: str, max_position_embeddings: int = 512):
         return transformers.Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    # Mixtures of experts: 4 experts of 32, top-2 (so some get no token in a short step).
+    moe = dict(num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
+                                          sliding_window=None, **moe)
+    if arch == "qwen2_moe":  # a shared expert with its gate; top-k weights not renormalised
+        return transformers.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, norm_topk_prob=False, **moe)
+    if arch == "qwen3_moe":  # renormalised; three layers: 0 dense (mlp_only_layers), 1 and 2 sparse
+        return transformers.Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, head_dim=32, num_experts=4,
+                                           moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0], **moe)
     raise ValueError(arch)
 
 

@@ -64,7 +64,7 @@ class EngineCore:
                              f"not with {backend!r}")
         else:  # the workers load their shards; this process needs the config only
             self.loaded = describe_model(args.model, args.dtype, self.device)
-            check_parallel_config(tp, pp, backend, self.device, self.loaded.config)
+            check_parallel_config(tp, pp, backend, self.device, self.loaded.config, args.enable_expert_parallel)
         config = self.loaded.config
         self.max_model_len = resolve_max_model_len(args.max_model_len, config)
         num_blocks = self._num_kv_blocks()

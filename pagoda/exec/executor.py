@@ -80,7 +80,8 @@ def available_ranks(device: torch.device) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def check_parallel_config(tp: int, pp: int, backend: str, device: torch.device, config=None) -> None:
+def check_parallel_config(tp: int, pp: int, backend: str, device: torch.device, config=None,
+                          expert_parallel: bool = False) -> None:
     """Raise ValueError, one line, for a configuration the executor cannot run."""
     world = tp * pp
     if tp < 1 or pp < 1:
@@ -101,7 +102,10 @@ def check_parallel_config(tp: int, pp: int, backend: str, device: torch.device, 
     if config is not None:
         from pagoda.model.tensor_parallel import check_tp_config
 
+        from pagoda.model.moe import check_expert_split
+
         check_tp_config(config, tp)
+        check_expert_split(config, tp, expert_parallel)
         if config.num_hidden_layers < pp:
             raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {config.num_hidden_layers} layers")
 
@@ -126,6 +130,7 @@ def make_distributed_executor(args: EngineArgs, backend: str, num_blocks: int, m
         num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, seed=args.seed, rank=0,
         world_size=world, tensor_parallel_size=args.tensor_parallel_size, init_method="", backend=backend, timeout_s=init_timeout_s(), parent_pid=0,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     if backend == "ray":
         from pagoda.exec.ray_executor import RayExecutor

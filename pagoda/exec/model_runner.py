@@ -22,6 +22,7 @@ from pagoda.contracts.step import ScheduledRequest, SchedulerOutput
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_linear import logits_fn, pack_linears
 from pagoda.exec.quant_linear import install_quant_kernels
+from pagoda.exec.cpu_moe import prepare_experts
 from pagoda.exec.cpu_memory import keep_freed_memory
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
@@ -129,6 +130,7 @@ class ModelRunner:
         install_quant_kernels(model, device)  # weights kept quantized: their CPU kernels
         self.compute_logits = logits_fn(model, device)
         pack_linears(model, device)  # after logits_fn, which reads the head's weight
+        prepare_experts(model, device, triton_ok=not isinstance(self.backend, TorchPagedAttention))
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         # Rows for running requests plus those finishing in the same step as others are admitted.
         self.block_tables = _BlockTables(2 * max_num_seqs, max_blocks)
@@ -136,7 +138,8 @@ class ModelRunner:
         self.requests: dict[str, _CachedRequest] = {}
         self.graphs: CUDAGraphDecoder | None = None
         # Graphs need launches that read no device value on the host: the Triton backend's.
-        if device.type == "cuda" and not enforce_eager and not isinstance(self.backend, TorchPagedAttention):
+        if (device.type == "cuda" and not enforce_eager and not isinstance(self.backend, TorchPagedAttention)
+                and getattr(model, "cuda_graphs_ok", True)):
             self.graphs = CUDAGraphDecoder(model, self.backend, max_num_seqs, max_model_len, self.block_size, device)
             self.graphs.capture()
 

@@ -18,6 +18,7 @@ A worker exits by itself when the driver goes: its socket reads EOF, or its pare
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -53,6 +54,7 @@ class WorkerInit:
     backend: str  # the executor backend, for messages
     timeout_s: float
     parent_pid: int
+    enable_expert_parallel: bool = False  # MoE layers: whole experts per rank (TPGroup.expert_parallel)
 
 
 class Worker:
@@ -76,6 +78,7 @@ class Worker:
         torch.manual_seed(init.seed)
         self.tp, self.pp = init_distributed(init.rank, init.world_size, init.init_method, init.backend,
                                             init.timeout_s, device, init.tensor_parallel_size)
+        self.tp = dataclasses.replace(self.tp, expert_parallel=init.enable_expert_parallel)
         # The last stage's first TP rank answers for all: every rank of that stage sampled the same.
         self.answers = init.rank == init.world_size - init.tensor_parallel_size
 

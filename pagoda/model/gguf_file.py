@@ -19,7 +19,10 @@ _ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+_MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")  # llama.cpp writes Mixtral as "llama" with experts
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -33,6 +36,18 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Mixtures of experts only (a dense model refuses these): the router, each projection stacked over
+# the experts ([E, I, H] or [E, H, I]), Qwen2-MoE's shared expert and its gate.
+_MOE_LAYER_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -144,6 +159,27 @@ def _rope_freq_factors(reader, path: Path) -> list[float] | None:
     return [float(x) for x in factors]
 
 
+def _moe_kwargs(reader, path: Path, arch: str, names: set[str]) -> dict:
+    """The config fields of a mixture of experts (none for a dense model). Routing as llama.cpp does
+    it: top-k weights renormalised for Mixtral and Qwen3-MoE, not for Qwen2-MoE, unless the file's
+    expert_weights_norm says otherwise; every layer sparse."""
+    count = _field(reader, f"{arch}.expert_count")
+    if not count:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch + '.expert_count'!r}")
+        return {}
+    used = _number(reader, path, f"{arch}.expert_used_count", int)
+    if arch == "llama":
+        return {"num_local_experts": int(count), "num_experts_per_tok": used}
+    out = {"num_experts": int(count), "num_experts_per_tok": used, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "moe_intermediate_size": _number(reader, path, f"{arch}.expert_feed_forward_length", int),
+           "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", arch == "qwen3moe"))}
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = _number(reader, path, f"{arch}.expert_shared_feed_forward_length", int)
+        out["qkv_bias"] = "blk.0.attn_q.bias" in names
+    return out
+
+
 def gguf_config(reader, path: Path):
     """Build the transformers config that the GGUF metadata describes."""
     import transformers
@@ -154,9 +190,10 @@ def gguf_config(reader, path: Path):
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCHS))}"
         )
     config_cls, hf_arch = _ARCHS[arch]
-    if _field(reader, f"{arch}.expert_count"):
-        raise ModelLoadError(f"{path}: mixture-of-experts GGUF models are not supported")
     names = {t.name for t in reader.tensors}
+    experts = _moe_kwargs(reader, path, arch, names)
+    if experts and arch == "llama":
+        config_cls, hf_arch = _MIXTRAL
     heads = _number(reader, path, f"{arch}.attention.head_count", int)
     hidden = _number(reader, path, f"{arch}.embedding_length", int)
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
@@ -178,6 +215,7 @@ def gguf_config(reader, path: Path):
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
     )
+    kwargs.update(experts)
     rope = _rope_parameters(reader, path, arch, theta)
     if rope["rope_type"] != "default":
         kwargs["rope_parameters"] = rope
@@ -208,10 +246,10 @@ def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, moe: bool = False) -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m:
-        inner = _LAYER_NAMES.get(m.group(2))
+        inner = _LAYER_NAMES.get(m.group(2)) or (_MOE_LAYER_NAMES.get(m.group(2)) if moe else None)
         return None if inner is None else f"model.layers.{m.group(1)}.{inner}.{m.group(3)}"
     m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
     if m and m.group(1) in _TOP_NAMES:
@@ -226,8 +264,9 @@ def gguf_tensors(reader, path: Path, config, dtype: torch.dtype,
     from gguf.quants import dequantize
 
     arch = _field(reader, "general.architecture")
+    moe = getattr(config, "num_local_experts", None) is not None or getattr(config, "num_experts", None) is not None
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, moe)
         if name is None:
             if t.name in _DERIVED or re.fullmatch(r"blk\.\d+\.attn_rot_embd(\.weight)?", t.name):
                 continue  # read into the config (rope_freqs), or recomputed from it
@@ -247,6 +286,8 @@ def gguf_tensors(reader, path: Path, config, dtype: torch.dtype,
             array = raw.view(np.float32).reshape(shape)
         else:
             array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if t.name.endswith("ffn_gate_inp_shexp.weight"):
+            array = array.reshape(1, -1)  # a [1, H] linear, which llama.cpp stores as a vector
         if arch in ("llama", "mistral"):
             if t.name.endswith("attn_q.weight"):
                 array = _unpermute_rotary(array, config.num_attention_heads)

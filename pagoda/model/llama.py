@@ -7,7 +7,7 @@ One class serves the family; architecture differences are flags read from the co
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -93,11 +93,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TPGroup = SINGLE) -> None:
+    """`intermediate_size`: the config's by default (an MoE's shared expert has its own)."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.tp = tp
         bias = getattr(config, "mlp_bias", False)
-        inter = split_for(config, tp).inter_count
+        inter = split_for(config, tp, intermediate_size).inter_count
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
 
@@ -105,13 +107,22 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
+# (config, global layer index, tp) -> the layer's feed-forward block: a dense MLP, or an MoE's (moe.py)
+MLPFactory = Callable[[object, int, TPGroup], nn.Module]
+
+
+def dense_mlp(config, layer: int, tp: TPGroup) -> nn.Module:
+    return LlamaMLP(config, tp)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, tp: TPGroup = SINGLE,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = LlamaMLP(config, tp) if mlp is None else mlp
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep, attn: AttentionContext
@@ -133,7 +144,7 @@ class LlamaModel(nn.Module):
     names keep their layer numbers); the embedding and the norm only on the stages that use them."""
 
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TPGroup = SINGLE, pp: PPStage = SINGLE_STAGE,
-                 tied_head: bool = False) -> None:
+                 tied_head: bool = False, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.pp = pp
         self.hidden_size = config.hidden_size
@@ -150,7 +161,8 @@ class LlamaModel(nn.Module):
             )
         first, end = self.first_layer, self.end_layer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i - first, qkv_bias, qk_norm, tp) if first <= i < end else nn.Module()
+            LlamaDecoderLayer(config, i - first, qkv_bias, qk_norm, tp, make_mlp(config, i, tp))
+            if first <= i < end else nn.Module()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
@@ -200,16 +212,23 @@ class LlamaForCausalLM(nn.Module):
         self.tp, self.pp = tp, pp
         if config.num_hidden_layers < pp.size:
             raise ValueError(f"pipeline_parallel_size {pp.size} exceeds the model's {config.num_hidden_layers} layers")
-        qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
-        qk_norm = architecture == "Qwen3ForCausalLM"
+        qkv_bias, qk_norm = self.attention_flags(config, architecture)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, qkv_bias, qk_norm, tp, pp, self.tie_word_embeddings)
+        self.model = LlamaModel(config, qkv_bias, qk_norm, tp, pp, self.tie_word_embeddings, self.make_mlp)
         rows = vocab_rows(config.vocab_size, tp)
         has_head = pp.is_last and not self.tie_word_embeddings
         self.lm_head = nn.Linear(config.hidden_size, rows, bias=False) if has_head else None
         # Under TP the head gives this rank's slice of the vocabulary; the runner's packed head
         # (exec/cpu_linear) gathers its output through this too. None: nothing to gather.
         self.gather_logits = self._gather_logits if tp.size > 1 else None
+
+    @staticmethod
+    def attention_flags(config, architecture: str) -> tuple[bool, bool]:
+        """(q/k/v have a bias, q and k have a per-head RMSNorm) for this architecture."""
+        qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        return qkv_bias, architecture == "Qwen3ForCausalLM"
+
+    make_mlp: MLPFactory = staticmethod(dense_mlp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [T] for the step's flattened tokens; returns hidden states [T, H]."""
@@ -232,16 +251,23 @@ class LlamaForCausalLM(nn.Module):
         """Every rank's vocabulary slice, in order, without the last one's padding rows."""
         return self.tp.all_gather_last(local)[..., : self.config.vocab_size]
 
-    def _shard_sizes(self, merged: str) -> list[int]:
+    def _shard_sizes(self, merged: str, param: torch.Tensor) -> list[int]:
         attn = self.model.layers[self.model.first_layer].self_attn
         if merged == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = split_for(self.config, self.tp).inter_count
+        inter = param.shape[0] // 2  # gate and up halves: a dense MLP's, or an MoE's shared expert's
         return [inter, inter]
+
+    def _checkpoint_params(self) -> dict[str, torch.Tensor]:
+        """The parameters load_weights fills from checkpoint names (all of them here)."""
+        return dict(self.named_parameters())
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(name, tensor, self.config, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Copy (name, tensor) pairs with Hugging Face names into the merged parameters, one at a time."""
-        params = dict(self.named_parameters())
+        params = self._checkpoint_params()
         loaded: dict[str, str] = {}  # "target#offset" -> the checkpoint name that filled it
         tied_head = None
         for name, tensor in weights:
@@ -250,15 +276,15 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 if tied_head is not None:
                     raise ModelLoadError(f"{source}: tensor {name!r} appears more than once")
-                tied_head = shard_tensor(name, tensor, self.config, self.tp)  # compared with the embedding once loaded
+                tied_head = self._shard(name, tensor)  # compared with the embedding once loaded
                 continue
-            tensor = shard_tensor(name, tensor, self.config, self.tp)
+            tensor = self._shard(name, tensor)
             target, offset, rows = name, 0, None
             parts = name.rsplit(".", 2)
             if len(parts) == 3 and parts[1] in _MERGED:
                 merged, shard = _MERGED[parts[1]]
                 target = f"{parts[0]}.{merged}.{parts[2]}"
-                sizes = self._shard_sizes(merged)
+                sizes = self._shard_sizes(merged, params[target]) if target in params else [0, 0, 0]
                 offset, rows = sum(sizes[:shard]), sizes[shard]
             param = params.get(target)
             if param is None:
@@ -277,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
         for pname in params:
             base = pname.rsplit(".", 2)
             if len(base) == 3 and base[1] in ("qkv_proj", "gate_up_proj"):
-                sizes = self._shard_sizes(base[1])
+                sizes = self._shard_sizes(base[1], params[pname])
                 for part, (merged, shard) in _MERGED.items():
                     if merged == base[1]:
                         expected[f"{pname}#{sum(sizes[:shard])}"] = f"{base[0]}.{part}.{base[2]}"

@@ -36,6 +36,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None
+    # Mixture-of-experts layers: each rank holds whole experts (True) or a slice of every expert.
+    expert_parallel: bool = False
     # An in-place sum over the group that may decline (returns False): the executor's shared-memory
     # all-reduce on one machine's CPU (pagoda/exec/shm_allreduce.py); torch.distributed otherwise.
     fast_all_reduce: Callable[[torch.Tensor], bool] | None = None
@@ -80,11 +82,13 @@ class Split:
     inter_count: int
 
 
-def split_for(config, tp: TPGroup) -> Split:
+def split_for(config, tp: TPGroup, intermediate_size: int | None = None) -> Split:
     """KV heads are dealt out in contiguous runs, as evenly as they go (SmolLM2's 3 over 2 ranks:
     2 and 1), each with the query heads that read it; with fewer KV heads than ranks, each KV head
-    is replicated on tp / kv ranks, which split its query heads. The MLP splits as evenly as it goes."""
-    heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    is replicated on tp / kv ranks, which split its query heads. The MLP (of `intermediate_size`,
+    the config's by default) splits as evenly as it goes."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    inter = config.intermediate_size if intermediate_size is None else intermediate_size
     r, n = tp.rank, tp.size
     i0, i1 = r * inter // n, (r + 1) * inter // n
     if kv >= n:

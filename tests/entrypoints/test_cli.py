@@ -23,7 +23,7 @@ ENGINE_FLAGS = [
     "--dtype", "--kv-cache-dtype", "--device", "--seed", "--max-model-len", "--max-num-seqs",
     "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching", "--enable-chunked-prefill",
     "--long-prefill-token-threshold", "--scheduling-policy", "--kv-cache-memory", "--num-gpu-blocks-override",
-    "--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size", "--pipeline-parallel-size",
+    "--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size", "--pipeline-parallel-size", "--enable-expert-parallel",
     "--distributed-executor-backend", "--max-logprobs", "--speculative-config",
 ]
 
