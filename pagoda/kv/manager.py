@@ -173,6 +173,7 @@ class KVCacheManager:
             # Blocks pinned by background copies become free once their copies run before the forward.
             if self.tier is None or not self.tier.expedite_saves():
                 return None
+            num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)  # hits whose copy pinned them
             if max(num_new_blocks, 0) + num_free_hits > pool.get_num_free_blocks():
                 return None
 
