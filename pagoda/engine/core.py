@@ -19,7 +19,8 @@ import torch
 from pagoda.config import EngineArgs
 from pagoda.engine.context_length import resolve_max_model_len
 from pagoda.engine.input_processor import eos_token_id_of
-from pagoda.engine.kv_tiers import attach_offloader, check_offload_config, offload_stats, second_tier, tier_sources
+from pagoda.engine.kv_tiers import (SwapCostMeter, attach_offloader, check_offload_config, offload_stats, second_tier,
+                                    tier_sources)
 from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
 from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
@@ -95,6 +96,7 @@ class EngineCore:
         # In-process (uni) the runner and the KV cache are here too; else each worker holds its own.
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
+        self.swap_meter: SwapCostMeter | None = None
         self.executor: Executor
         if backend == "uni":
             self.kv_cache = self._make_kv_cache(num_blocks)
@@ -113,6 +115,7 @@ class EngineCore:
             offloader = None
             if self.kv_manager.tier is not None:
                 offloader = attach_offloader(args, self.loaded.source.path, self.kv_cache, self.kv_manager, "builtin")
+            self.swap_meter = SwapCostMeter(self.scheduler, offloader) if args.preemption_mode == "swap" else None
             self.executor = UniExecutor(self.runner, offloader)
         else:
             from pagoda.exec.executor import make_distributed_executor
@@ -296,10 +299,10 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
-        self.timelines.record_step(so, self.scheduler.requests, started,
-                                   tier_sources(self.kv_manager, self.args.kv_offloading_backend
-                                                if self.kv_manager.tier is not None else None))
+        self.timelines.record_step(so, self.scheduler.requests, started, tier_sources(self.kv_manager))
         result = self.executor.execute(so)
+        if self.swap_meter is not None:
+            self.swap_meter.observe(so.total_num_scheduled_tokens, len(so.scheduled), time.time() - started)
         if result.prompt_logprobs:
             requests = self.scheduler.requests
             for rid, (start, rows) in result.prompt_logprobs.items():

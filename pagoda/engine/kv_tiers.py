@@ -20,6 +20,7 @@ from pagoda.exec.kv_offload_disk import DiskTierStorage, cache_key, weights_fing
 from pagoda.exec.paged_attention import PagedKVCache
 from pagoda.kv.manager import KVCacheManager
 from pagoda.kv.offload import SecondTier
+from pagoda.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,11 @@ def check_offload_config(args: EngineArgs, backend: str) -> None:
                          f"not with {backend!r}")
 
 
-def tier_sources(kv: KVCacheManager, tier_name: str | None) -> dict[str, dict[str, list[int]]]:
+def tier_sources(kv: KVCacheManager) -> dict[str, dict[str, list[int]]]:
     """request id -> which of its blocks (index ranges in its table) came from which tier at its last
-    admission; taken once, by the timeline."""
+    admission (the second tier named by its backend); taken once, by the timeline."""
     sources, kv.admission_sources = kv.admission_sources, {}
+    tier_name = kv.tier.tier.name if kv.tier is not None else None
     out = {}
     for rid, (first, second) in sources.items():
         entry = {"device": [0, first]}
@@ -97,3 +99,26 @@ def offload_stats(s: SchedulerStats, bytes_per_block: int) -> dict[str, int]:
                 kv_offload_bytes_saved=s.kv_offload_saved_blocks * bytes_per_block,
                 kv_offload_bytes_loaded=s.kv_offload_loaded_blocks * bytes_per_block,
                 num_swaps_out=s.num_swaps_out, num_swaps_in=s.num_swaps_in)
+
+
+class SwapCostMeter:
+    """Measures what swap preemption weighs: the seconds to copy one block between the tiers (the
+    offloader's copies before the forward) and to compute one token (steps of many tokens, which
+    prefill dominates), and hands both to the scheduler, which swaps a victim out only when moving
+    its blocks out and back costs less than computing its context again."""
+
+    DECAY = 0.8
+
+    def __init__(self, scheduler: Scheduler, offloader: KVOffloader | None) -> None:
+        self.scheduler = scheduler
+        self.offloader = offloader
+        self.seconds_per_token: float | None = None
+
+    def observe(self, num_tokens: int, num_rows: int, seconds: float) -> None:
+        if num_tokens >= 4 * num_rows:  # mostly prefill: decode steps' time per token says little about it
+            per_token = seconds / num_tokens
+            old = self.seconds_per_token
+            self.seconds_per_token = per_token if old is None else self.DECAY * old + (1 - self.DECAY) * per_token
+        per_block = self.offloader.seconds_per_block if self.offloader is not None else None
+        if per_block is not None and self.seconds_per_token is not None:
+            self.scheduler.swap_costs = (per_block, self.seconds_per_token)

@@ -11,6 +11,7 @@ when the step ends (their blocks are pinned by the KV layer until then).
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -69,6 +70,8 @@ class KVOffloader:
         self._failed: list[int] = []
         cuda = kv_cache.tensor.device.type == "cuda"
         self._stream = torch.cuda.Stream(kv_cache.tensor.device) if cuda else None
+        # Measured cost of one block copy in the step's critical path (an average that follows drift).
+        self.seconds_per_block: float | None = None
 
     def _block(self, block_id: int) -> torch.Tensor:
         return self.kv_cache.tensor[:, :, block_id]
@@ -95,9 +98,17 @@ class KVOffloader:
         """Saves of blocks this step may reuse, then loads, then the background saves' start."""
         if self._saves is not None:
             raise RuntimeError("KV offload: a step began before the previous step's saves were awaited")
+        start = time.perf_counter()
         self._failed = self._save(so.kv_saves_first) if so.kv_saves_first else []
         for t in so.kv_loads:
             self.storage.load(t.slot, t.block_hash, self._block(t.block_id))
+        n = len(so.kv_saves_first) + len(so.kv_loads)
+        if n:
+            if self._stream is None and self.kv_cache.tensor.device.type == "cuda":
+                torch.cuda.synchronize(self.kv_cache.tensor.device)
+            per_block = (time.perf_counter() - start) / n
+            old = self.seconds_per_block
+            self.seconds_per_block = per_block if old is None else 0.8 * old + 0.2 * per_block
         if so.kv_saves:
             if self._stream is not None:
                 # The copies read what earlier steps' kernels wrote on the compute stream.

@@ -47,6 +47,9 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last schedule()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeCounters()
+        # Swap mode: (seconds to copy a block one way, seconds to compute a token), measured by the
+        # engine; None: swap whenever the second tier has room.
+        self.swap_costs: tuple[float, float] | None = None
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -280,7 +283,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Free the blocks (swapped out first in swap mode), keep every token, wait at the front."""
-        if self.config.preemption_mode == "swap" and not request.wants_prompt_logprobs:
+        if self.config.preemption_mode == "swap" and not request.wants_prompt_logprobs and self._swap_pays(request):
             self.kv.swap_out(request)  # False: no room, so the resume recomputes
         self.kv.free(request, preempted=True)  # publishes its computed full blocks first: the resume can hit them
         request.spec_token_ids = []
@@ -290,6 +293,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push_preempted(request)
         out.preempted_request_ids.append(request.request_id)
+
+    def _swap_pays(self, request: Request) -> bool:
+        """Moving the victim's blocks out and back costs less than computing its context again."""
+        if self.swap_costs is None:
+            return True
+        per_block, per_token = self.swap_costs
+        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
+        return 2 * num_blocks * per_block <= request.num_computed_tokens * per_token
 
     # -- after the forward pass -------------------------------------------------------------
     def update(

@@ -65,6 +65,9 @@ def test_second_tier_and_swap_keep_greedy_output(tiny, reference, tmp_path, back
     assert s.num_preemptions > 0
     if mode == "swap":
         assert s.num_swaps_out > 0 and s.num_swaps_in > 0
+        # Measured: a block's copy and a token's compute, which the scheduler weighs per victim.
+        per_block, per_token = core.scheduler.swap_costs
+        assert per_block > 0 and per_token > 0
     else:
         assert s.num_swaps_out == 0
     kv = core.kv_manager
