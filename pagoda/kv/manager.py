@@ -198,14 +198,13 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         new_ids = [b.block_id for b in new_blocks]
         block_ids.extend(new_ids)
-        if lookup is not None and lookup.entries:
-            loaded = new_blocks[: len(lookup.entries)]
-            self.num_cached_blocks[rid] = len(hits) + self.tier.order_loads(lookup, loaded)
-            if not lookup.swap:
+        if lookup is not None:
+            loaded = new_blocks[: len(lookup.entries)]  # none when a swap-in found all in the first tier
+            if loaded or lookup.swap:
+                self.num_cached_blocks[rid] = len(hits) + self.tier.order_loads(lookup, loaded)
+            if not lookup.swap:  # the second tier's queries and hits, as the first tier's: at admission
                 self.tier.stats.queries += lookup.query_tokens
                 self.tier.stats.hits += num_loaded
-        elif lookup is not None and lookup.swap:
-            self.tier.order_loads(lookup, [])  # every block was still in the first tier
         return new_ids
 
     def _new_table(self, rid: str) -> list[KVCacheBlock]:
