@@ -24,6 +24,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 
 from pagoda import SamplingParams
@@ -88,6 +89,8 @@ def run(args: argparse.Namespace, offload: bool) -> dict:
                         prompt_tokens += len(out.prompt_token_ids)
                         cached_tokens += out.num_cached_tokens
             ttfts += [first_token[rid] - submitted[rid] for rid in submitted]
+        print(f"{'with' if offload else 'without'} the second tier: turn {turn + 1} of {args.turns} done "
+              f"after {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
     s = engine.core.stats()
     engine.core.shutdown()
