@@ -23,6 +23,8 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _DTYPE_ALIASES = ("fp16", "bf16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+KV_OFFLOADING_BACKENDS = ("cpu", "disk")
+PREEMPTION_MODES = ("recompute", "swap")
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Above this many requests in a step a CPU forward of B * (k + 1) tokens costs more than the drafts
@@ -155,6 +157,17 @@ class EngineArgs:
         "disable_by_batch_size); default: off",
         cli="json",
     )
+    kv_offloading_size: float | None = _arg(
+        None, "GiB of a second KV tier below the KV cache: evicted prefix blocks are copied there and "
+        "loaded back instead of recomputed; default: none")
+    kv_offloading_backend: str = _arg(
+        "cpu", "the second KV tier: cpu (host memory) or disk (files in --kv-offloading-dir, kept across "
+        "restarts for the same weights and cache settings)", choices=KV_OFFLOADING_BACKENDS)
+    kv_offloading_dir: str | None = _arg(None, "folder of the disk tier; default: $XDG_CACHE_HOME/pagoda/kv "
+                                         "(~/.cache/pagoda/kv)")
+    preemption_mode: str = _arg(
+        "recompute", "recompute: a preempted request's KV is computed again on resume; swap: its blocks go to "
+        "the second KV tier (--kv-offloading-size) and come back", choices=PREEMPTION_MODES)
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -201,6 +214,15 @@ class EngineArgs:
                 f"got {self.distributed_executor_backend!r}"
             )
 
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB (or unset), got {self.kv_offloading_size}")
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}; "
+                             f"got {self.kv_offloading_backend!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.kv_offloading_size is None:
+            raise ValueError("preemption_mode 'swap' needs a second KV tier to swap to: set kv_offloading_size (GiB)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0 < self.gpu_memory_utilization <= 1:

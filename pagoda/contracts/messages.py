@@ -69,6 +69,14 @@ class EngineCoreStats(msgspec.Struct, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    # The second KV tier (--kv-offloading-size), cumulative: prompt tokens looked up there and loaded
+    # from there, bytes copied down and back up, swap preemptions and resumes.
+    kv_offload_queries: int = 0
+    kv_offload_hits: int = 0
+    kv_offload_bytes_saved: int = 0
+    kv_offload_bytes_loaded: int = 0
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
     pid: int = 0
 
 

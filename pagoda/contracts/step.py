@@ -1,7 +1,8 @@
 """What the scheduler decided for one step, as plain data for the execution layer.
 
 Owns `SchedulerOutput` (the step), `ScheduledRequest` (one request's share of it), `NewRequestData`
-(what a runner needs to (re)build a request's state) and `SchedulerStats`. Everything here is ints,
+(what a runner needs to (re)build a request's state), `KVTransfer` (a block copy between the KV
+tiers, ordered by the KV manager, carried out by the runner's side) and `SchedulerStats`. Everything here is ints,
 lists of ints, strings and `SamplingParams`, never a scheduler object, so the model runner depends on
 no scheduler code and a step can be sent to a worker process as it is (msgspec structs encode
 directly).
@@ -78,6 +79,15 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         )
 
 
+class KVTransfer(msgspec.Struct, array_like=True, gc=False):
+    """One block copy between the first tier (the KV cache's block `block_id`) and a slot of the
+    second tier, for the block stored under `block_hash` (a disk tier writes it into the file)."""
+
+    block_id: int
+    slot: int
+    block_hash: int
+
+
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     """One step. The scheduler fills it in schedule() and reads it back in update()."""
 
@@ -87,10 +97,17 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     preempted_request_ids: list[str] = msgspec.field(default_factory=list)
     # Finished or aborted since the previous schedule(): the runner drops their cached state.
     finished_request_ids: list[str] = msgspec.field(default_factory=list)
+    # Second-tier copies (pagoda.kv.offload), in this order: saves of blocks this step may reuse
+    # (preempted requests'), then loads (their blocks are read by the forward), both before the
+    # forward; then saves beside it, done when the step is (their blocks are pinned until then).
+    kv_saves_first: list[KVTransfer] = msgspec.field(default_factory=list)
+    kv_loads: list[KVTransfer] = msgspec.field(default_factory=list)
+    kv_saves: list[KVTransfer] = msgspec.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to run: no request and no copy between the KV tiers."""
+        return not self.scheduled and not self.kv_saves_first and not self.kv_loads and not self.kv_saves
 
 
 class SchedulerStats(msgspec.Struct):
@@ -108,3 +125,10 @@ class SchedulerStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    # The second KV tier (pagoda.kv.offload.OffloadStats), since the start.
+    kv_offload_queries: int = 0
+    kv_offload_hits: int = 0
+    kv_offload_saved_blocks: int = 0
+    kv_offload_loaded_blocks: int = 0
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0

@@ -19,8 +19,9 @@ import torch
 from pagoda.config import EngineArgs
 from pagoda.engine.context_length import resolve_max_model_len
 from pagoda.engine.input_processor import eos_token_id_of
+from pagoda.engine.kv_tiers import (SwapCostMeter, attach_offloader, check_offload_config, offload_stats, second_tier,
+                                    tier_sources)
 from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
-from pagoda.contracts.step import SchedulerOutput
 from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.cpu_kv_sizing import cpu_kv_budget, max_cached_free_blocks
@@ -57,6 +58,7 @@ class EngineCore:
         tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
         backend = resolve_backend(args.distributed_executor_backend, tp * pp)
         check_parallel_config(tp, pp, backend, self.device)
+        check_offload_config(args, backend)
         if backend == "uni":
             self.loaded = loaded or load_model(args.model, args.dtype, self.device, args.quantization)
         elif args.speculative_config is not None:
@@ -73,6 +75,7 @@ class EngineCore:
         self.kv_manager = KVCacheManager(
             num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             max_cached_free_blocks=max_cached_free_blocks(num_blocks) if on_cpu else None,
+            offload=second_tier(args, self._bytes_per_block()),
         )
         # Without chunking a prompt must fit one step.
         budget = args.max_num_batched_tokens
@@ -86,12 +89,14 @@ class EngineCore:
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 policy=args.scheduling_policy,
+                preemption_mode=args.preemption_mode,
             ),
             self.kv_manager,
         )
         # In-process (uni) the runner and the KV cache are here too; else each worker holds its own.
         self.kv_cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
+        self.swap_meter: SwapCostMeter | None = None
         self.executor: Executor
         if backend == "uni":
             self.kv_cache = self._make_kv_cache(num_blocks)
@@ -107,7 +112,11 @@ class EngineCore:
                 spec_decoder=make_spec_decoder(args, config.vocab_size, self.device, self.kv_cache,
                                                self.max_model_len, self.loaded.dtype),
             )
-            self.executor = UniExecutor(self.runner)
+            offloader = None
+            if self.kv_manager.tier is not None:
+                offloader = attach_offloader(args, self.loaded.source.path, self.kv_cache, self.kv_manager, "builtin")
+            self.swap_meter = SwapCostMeter(self.scheduler, offloader) if args.preemption_mode == "swap" else None
+            self.executor = UniExecutor(self.runner, offloader)
         else:
             from pagoda.exec.executor import make_distributed_executor
 
@@ -154,15 +163,18 @@ class EngineCore:
         return PagedKVCache(cfg.num_hidden_layers, num_blocks, self.args.block_size, cfg.num_key_value_heads,
                             self._head_dim(), self._kv_cache_dtype(), self.device)
 
+    def _bytes_per_block(self) -> int:
+        cfg = self.loaded.config
+        return PagedKVCache.bytes_per_block(cfg.num_hidden_layers, self.args.block_size, cfg.num_key_value_heads,
+                                            self._head_dim(), self._kv_cache_dtype())
+
     def _num_kv_blocks(self) -> int:
         """Blocks of the whole model's K/V that fit the budget (a TP rank holds a shard of each)."""
         args, cfg = self.args, self.loaded.config
         kv_dtype = self._kv_cache_dtype()
         num_kv_heads = cfg.num_key_value_heads
         head_dim = self._head_dim()
-        per_block = PagedKVCache.bytes_per_block(
-            cfg.num_hidden_layers, args.block_size, num_kv_heads, head_dim, kv_dtype
-        )
+        per_block = self._bytes_per_block()
         if args.num_gpu_blocks_override:
             num_blocks = args.num_gpu_blocks_override
         else:
@@ -235,6 +247,7 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
         self.executor.release(request_ids)
         self._end_from_outside(counts, "abort")
+        self.flush_kv_transfers()
 
     def finish_requests(self, request_ids: list[str]) -> None:
         """End requests that the front end stopped (a stop string matched)."""
@@ -242,6 +255,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
         self.executor.release(request_ids)
         self._end_from_outside(counts, "stop")
+        self.flush_kv_transfers()
 
     def _output_counts(self, request_ids: list[str]) -> dict[str, int]:
         reqs = self.scheduler.requests
@@ -263,6 +277,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or any(self._deferred.values())
 
+    def flush_kv_transfers(self) -> None:
+        """Run the copies between the KV tiers ordered while no request runs (the last ones' saves)."""
+        if self.kv_manager.has_pending_transfers() and not self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            result = self.executor.execute(so)
+            self.scheduler.update(so, {}, result.kv_failed_saves)
+
     def _release_deferred(self) -> None:
         for leader in list(self._deferred):
             lead = self.scheduler.requests.get(leader)
@@ -278,15 +299,17 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
-        self._record_schedule(so, started)
+        self.timelines.record_step(so, self.scheduler.requests, started, tier_sources(self.kv_manager))
         result = self.executor.execute(so)
+        if self.swap_meter is not None:
+            self.swap_meter.observe(so.total_num_scheduled_tokens, len(so.scheduled), time.time() - started)
         if result.prompt_logprobs:
             requests = self.scheduler.requests
             for rid, (start, rows) in result.prompt_logprobs.items():
                 requests[rid].advance_prompt_logprobs(self.prompt_logprobs.add(rid, start, rows))
         # Tokens known when scheduled, so outputs before this step: num_tokens - num_prompt_tokens.
         known = {s.request_id: s.num_tokens for s in so.scheduled}
-        changed = self.scheduler.update(so, result.sampled_token_ids)
+        changed = self.scheduler.update(so, result.sampled_token_ids, result.kv_failed_saves)
         if result.draft_token_ids:
             self.scheduler.update_draft_token_ids(result.draft_token_ids)
         self.num_steps += 1
@@ -324,22 +347,8 @@ class EngineCore:
             if request.finish_reason is not None:
                 self.timelines.end(rid, now, request.finish_reason, n_out)
             outputs.append(out)
+        self.flush_kv_transfers()
         return outputs
-
-    def _record_schedule(self, so: SchedulerOutput, now: float) -> None:
-        """Timeline entries of one step: admissions, prefill chunks (not decodes) and preemptions."""
-        timelines = self.timelines.live
-        requests = self.scheduler.requests
-        for s in so.scheduled:
-            is_new = s.is_new
-            if is_new:
-                resumed = requests[s.request_id].num_preemptions > 0
-                timelines[s.request_id].admitted(now, s.num_computed_tokens, resumed)
-            if is_new or s.num_new_tokens - len(s.spec_token_ids) != 1 or s.num_computed_tokens + 1 < s.num_tokens:
-                timelines[s.request_id].prefill_chunk(now, s.num_computed_tokens, s.num_new_tokens)
-        if so.preempted_request_ids:
-            for rid in so.preempted_request_ids:
-                timelines[rid].preempted(now, requests[rid].num_output_tokens)
 
     def timeline(self, request_id: str) -> list[dict]:
         """Timelines of a live or recently finished request (several for n > 1); [] when unknown."""
@@ -382,6 +391,7 @@ class EngineCore:
             spec_num_draft_tokens=s.spec_num_draft_tokens,
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=s.spec_num_accepted_tokens_per_pos,
+            **offload_stats(s, self._bytes_per_block()),
             num_blocks=kv.num_blocks,
             num_usable_blocks=kv.num_usable_blocks,
             num_free_blocks=kv.num_free_blocks,

@@ -13,6 +13,8 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+from pagoda.contracts.step import SchedulerOutput
+
 DEFAULT_MAX_FINISHED = 1000
 
 
@@ -30,11 +32,14 @@ class RequestTimeline:
         self.decode_start_tokens = 0  # and how many output tokens existed then
         self.status = "waiting"
 
-    def admitted(self, now: float, cached_tokens: int, resumed: bool) -> None:
+    def admitted(self, now: float, cached_tokens: int, resumed: bool, blocks_from: dict | None = None) -> None:
         if self.first_scheduled is None:
             self.first_scheduled = now
         self.status = "running"
-        self.events.append({"event": "admitted", "time": now, "cached_tokens": cached_tokens, "resumed": resumed})
+        event = {"event": "admitted", "time": now, "cached_tokens": cached_tokens, "resumed": resumed}
+        if blocks_from is not None:
+            event["blocks_from"] = blocks_from  # tier -> [first, end) of its blocks in the table
+        self.events.append(event)
 
     def prefill_chunk(self, now: float, start: int, num_tokens: int) -> None:
         self.events.append({"event": "prefill", "time": now, "start": start, "tokens": num_tokens})
@@ -103,6 +108,21 @@ class TimelineStore:
         self.finished[request_id] = tl
         while len(self.finished) > self.max_finished:
             self.finished.popitem(last=False)
+
+    def record_step(self, so: SchedulerOutput, requests: dict, now: float,
+                    blocks_from: dict[str, dict[str, list[int]]]) -> None:
+        """Entries of one step: admissions (with the tiers their cached blocks came from), prefill
+        chunks (not decodes) and preemptions. `requests`: the scheduler's, by id."""
+        timelines = self.live
+        for s in so.scheduled:
+            is_new = s.is_new
+            if is_new:
+                resumed = requests[s.request_id].num_preemptions > 0
+                timelines[s.request_id].admitted(now, s.num_computed_tokens, resumed, blocks_from.get(s.request_id))
+            if is_new or s.num_new_tokens - len(s.spec_token_ids) != 1 or s.num_computed_tokens + 1 < s.num_tokens:
+                timelines[s.request_id].prefill_chunk(now, s.num_computed_tokens, s.num_new_tokens)
+        for rid in so.preempted_request_ids:
+            timelines[rid].preempted(now, requests[rid].num_output_tokens)
 
     def get(self, request_id: str) -> RequestTimeline | None:
         return self.live.get(request_id) or self.finished.get(request_id)

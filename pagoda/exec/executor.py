@@ -22,6 +22,7 @@ import torch
 
 from pagoda.config import EXECUTOR_BACKENDS, EngineArgs
 from pagoda.contracts.step import SchedulerOutput
+from pagoda.exec.kv_offload import KVOffloader
 from pagoda.exec.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -49,11 +50,21 @@ class Executor(Protocol):
 class UniExecutor:
     """One rank, in this process: the model runner itself."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, offloader: KVOffloader | None = None) -> None:
         self.runner = runner
+        self.offloader = offloader  # the copies between the KV tiers that steps order
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(step)
+        offloader = self.offloader
+        if offloader is None:
+            return self.runner.execute(step)
+        offloader.before_forward(step)
+        try:
+            out = self.runner.execute(step)
+        finally:
+            failed = offloader.after_forward()
+        out.kv_failed_saves = failed
+        return out
 
     def release(self, request_ids: list[str]) -> None:
         self.runner.release(request_ids)
@@ -62,7 +73,8 @@ class UniExecutor:
         pass
 
     def shutdown(self) -> None:
-        pass
+        if self.offloader is not None:
+            self.offloader.shutdown()
 
 
 def resolve_backend(backend: str | None, world_size: int) -> str:

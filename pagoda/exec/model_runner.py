@@ -58,6 +58,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprobRow]]] = field(default_factory=dict)
     # Speculative decoding: request id -> draft tokens to follow its sampled ones, for the next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Slots of the step's second-tier saves that could not be written (pagoda.exec.kv_offload).
+    kv_failed_saves: list[int] = field(default_factory=list)
 
 
 class _BlockTables:

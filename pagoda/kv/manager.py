@@ -6,7 +6,12 @@ been computed (so their full blocks can be published) and when a request is done
 
 Publishing rule: a full block enters the hash map only once its KV has been written, i.e. after the
 step that computed it (`cache_blocks`, called by the scheduler's update, or at `free`). So two
-requests admitted in the same step never hit each other's still-uncomputed blocks.
+requests admitted in the same step never hit each other's still-uncomputed blocks. A block loaded
+from the second tier is published at once: the load runs before the step's forward.
+
+With a second tier (`offload`, see pagoda.kv.tier_manager) a lookup continues there where the first
+tier's prefix ends, freed published blocks are copied down, and `swap_out` keeps a preempted
+request's blocks for its resume.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagoda.contracts.step import SchedulerOutput
 from pagoda.kv.block_pool import BlockPool, KVCacheBlock
 from pagoda.kv.hashing import BlockHash, BlockHasher, hash_block_tokens
+from pagoda.kv.offload import OffloadStats, SecondTier
+from pagoda.kv.tier_manager import TierManager
 
 
 class KVRequest(Protocol):
@@ -52,6 +60,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hasher: BlockHasher = hash_block_tokens,
         max_cached_free_blocks: int | None = None,
+        offload: SecondTier | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -65,6 +74,9 @@ class KVCacheManager:
         # How many leading blocks of each table are published (hashed) or were hits.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.tier = TierManager(offload, self.block_pool, block_size) if offload is not None else None
+        # request id -> blocks of its last admission from each tier (first, second), for timelines.
+        self.admission_sources: dict[str, tuple[int, int]] = {}
 
     # -- reporting ---------------------------------------------------------------------------
     @property
@@ -100,6 +112,12 @@ class KVCacheManager:
         logits that sample the next one, so a fully cached prompt still recomputes its last block
         (or its last token, when the length is not a multiple of the block size).
         """
+        tier = self.tier
+        if tier is not None:
+            tier.lookup = None
+            swapped = tier.find_swapped(request.request_id, request.num_tokens)
+            if swapped is not None:
+                return swapped
         if not self.enable_prefix_caching:
             return [], 0
         self.bind(request)
@@ -111,7 +129,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        num_hit = len(hits) * self.block_size
+        if tier is not None and len(hits) < max_blocks:
+            n = tier.find_prefix(request.request_id, request.block_hashes[len(hits):max_blocks],
+                                 request.num_tokens - num_hit)
+            return hits, num_hit + n * self.block_size
+        return hits, num_hit
 
     def allocate_slots(
         self,
@@ -130,7 +153,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(rid)
         num_held = len(blocks) if blocks is not None else 0
         hits = new_computed_blocks or ()
-        num_tokens = request.num_computed_tokens + len(hits) * bs + num_new_tokens
+        lookup = self.tier.take_lookup(rid) if self.tier is not None and blocks is None else None
+        num_loaded = lookup.num_tokens if lookup is not None else 0
+        num_tokens = request.num_computed_tokens + len(hits) * bs + num_loaded + num_new_tokens
         num_new_blocks = -(-num_tokens // bs) - num_held - len(hits)
 
         if num_new_blocks <= 0 and not hits:
@@ -145,7 +170,12 @@ class KVCacheManager:
         # Hit blocks that sit in the free queue are consumed from it too.
         num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_free_hits > pool.get_num_free_blocks():
-            return None
+            # Blocks pinned by background copies become free once their copies run before the forward.
+            if self.tier is None or not self.tier.expedite_saves():
+                return None
+            num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)  # hits whose copy pinned them
+            if max(num_new_blocks, 0) + num_free_hits > pool.get_num_free_blocks():
+                return None
 
         if blocks is None:
             blocks = self._new_table(rid)
@@ -154,6 +184,7 @@ class KVCacheManager:
                 stats.requests += 1
                 stats.queries += request.num_tokens
                 stats.hits += len(hits) * bs
+            self.admission_sources[rid] = (len(hits), len(lookup.entries) if lookup is not None else 0)
         block_ids = self.req_to_block_ids[rid]
         if hits:
             # Touch hits before taking new blocks, so allocation evicts other free blocks first.
@@ -167,6 +198,13 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         new_ids = [b.block_id for b in new_blocks]
         block_ids.extend(new_ids)
+        if lookup is not None:
+            loaded = new_blocks[: len(lookup.entries)]  # none when a swap-in found all in the first tier
+            if loaded or lookup.swap:
+                self.num_cached_blocks[rid] = len(hits) + self.tier.order_loads(lookup, loaded)
+            if not lookup.swap:  # the second tier's queries and hits, as the first tier's: at admission
+                self.tier.stats.queries += lookup.query_tokens
+                self.tier.stats.hits += num_loaded
         return new_ids
 
     def _new_table(self, rid: str) -> list[KVCacheBlock]:
@@ -212,22 +250,69 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(tail))
         return len(tail)
 
-    def free(self, request: KVRequest) -> None:
+    def free(self, request: KVRequest, preempted: bool = False) -> None:
         """Release the request's blocks, tail first, so shared prefixes are evicted after tails.
 
         Blocks full of computed tokens are published first, so a preempted or finished request's
-        KV stays reusable until evicted.
+        KV stays reusable until evicted. With a second tier they are copied down too; a preempted
+        request's (`preempted`) before the next forward, which may reuse them.
         """
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:
+            if self.tier is not None:
+                self.tier.forget_swapped(rid)  # it ended while swapped out
             return
         self.cache_blocks(request)
         del self.req_to_blocks[rid]
         del self.req_to_block_ids[rid]
         del self.num_cached_blocks[rid]
+        self.admission_sources.pop(rid, None)
+        if self.tier is not None and self.enable_prefix_caching:
+            self.tier.save_published(blocks, first=preempted)
         self.block_pool.free_blocks(reversed(blocks))
 
+    # -- the second tier -------------------------------------------------------------------------
+    def swap_out(self, request: KVRequest) -> bool:
+        """Order the request's computed blocks into the second tier for its resume (before `free`).
+        False (nothing changed) without a second tier or when it has no room: then recompute."""
+        rid, bs, tier = request.request_id, self.block_size, self.tier
+        blocks = self.req_to_blocks.get(rid)
+        nc = request.num_computed_tokens
+        if tier is None or not blocks or nc == 0:
+            return False
+        self.cache_blocks(request)
+        n = -(-nc // bs)
+        published = [self.enable_prefix_caching and (i + 1) * bs <= nc for i in range(n)]
+        hashes = request.block_hashes
+        # A private key for a block no other request can share (a partial one, or no prefix caching).
+        keys = [hashes[i] if published[i] else hash(("swap", rid, i)) for i in range(n)]
+        return tier.swap_out(rid, nc, blocks[:n], keys, published)
+
+    @property
+    def offload_stats(self) -> OffloadStats | None:
+        return self.tier.stats if self.tier is not None else None
+
+    def has_pending_transfers(self) -> bool:
+        return self.tier is not None and self.tier.has_pending
+
+    def take_transfers(self, out: SchedulerOutput) -> None:
+        """Put the copies ordered since the last step into `out` (the step being built)."""
+        if self.tier is not None:
+            self.tier.take(out)
+
+    def transfers_done(self, failed_save_slots: list[int] = ()) -> None:
+        """The last built step has run: its copies are complete, but for saves into these slots."""
+        if self.tier is not None:
+            self.tier.done(failed_save_slots)
+
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash; refused (False) while any block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        """Drop every cached hash (the second tier's unpinned entries too); refused (False) while any
+        block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.tier is not None:
+            tier = self.tier.tier
+            for entry in list(tier.lru.values()):
+                tier.drop(entry)
+        return True

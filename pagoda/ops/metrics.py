@@ -69,7 +69,19 @@ class _CoreStatsCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.kv_usage)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
-        yield counter("num_preemptions", "Preemptions (recompute) by the scheduler.", s.num_preemptions)
+        yield counter("num_preemptions", "Preemptions by the scheduler (recompute or swap).", s.num_preemptions)
+        # The second KV tier (--kv-offloading-size): its hits and misses in prompt tokens, bytes moved, swaps.
+        yield counter("kv_offload_queries", "Prompt tokens looked up in the second KV tier (first-tier misses).",
+                      s.kv_offload_queries)
+        yield counter("kv_offload_hits", "Prompt tokens loaded from the second KV tier instead of computed.",
+                      s.kv_offload_hits)
+        yield counter("kv_offload_bytes_saved", "Bytes copied from the KV cache to the second tier.",
+                      s.kv_offload_bytes_saved)
+        yield counter("kv_offload_bytes_loaded", "Bytes copied from the second tier back to the KV cache.",
+                      s.kv_offload_bytes_loaded)
+        yield counter("num_swaps_out", "Preemptions that swapped the request's KV blocks to the second tier.",
+                      s.num_swaps_out)
+        yield counter("num_swaps_in", "Swapped-out requests resumed from the second tier.", s.num_swaps_in)
         yield counter("spec_decode_num_drafts", "Speculative steps of a request (rows with draft tokens).",
                       s.spec_num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)

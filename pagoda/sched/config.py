@@ -14,6 +14,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # per-request prefill tokens per step; 0: no cap
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # recompute: a victim's blocks are freed and recomputed on resume; swap: they go to the KV
+    # manager's second tier and come back (recompute when it has no room).
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -23,6 +26,8 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap)")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step, or it would block the queue forever.
             raise ValueError(

@@ -3,7 +3,9 @@
 One loop, no prefill/decode phases: each request's num_computed_tokens catches up with its
 num_tokens. A step spends the token budget on running requests first (decodes and ongoing prefill
 chunks, in admission order), then admits waiting requests in policy order. When the KV pool is full
-it preempts by recompute. update() takes the sampled tokens back, applies stop conditions and frees
+it preempts, by recompute or (`preemption_mode="swap"`) by swapping the victim's blocks to the KV
+manager's second tier. The copies the KV manager orders between the tiers travel in the step
+(`kv_loads`, `kv_saves`) and are done when update() is called. update() takes the sampled tokens back, applies stop conditions and frees
 finished requests.
 
 Speculative decoding: the runner proposes draft tokens for a request (`update_draft_token_ids`); a
@@ -45,6 +47,9 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last schedule()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeCounters()
+        # Swap mode: (seconds to copy a block one way, seconds to compute a token), measured by the
+        # engine; None: swap whenever the second tier has room.
+        self.swap_costs: tuple[float, float] | None = None
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,6 +131,7 @@ class Scheduler:
             prefix_cache_hits=pc.hits,
             num_preemptions=self.num_preemptions,
             **self.spec_stats.as_fields(),
+            **_offload_fields(self.kv),
         )
 
     # -- one step ----------------------------------------------------------------------------
@@ -197,6 +203,7 @@ class Scheduler:
             budget = self._admit(out, budget, cap)
 
         out.total_num_scheduled_tokens = cfg.max_num_batched_tokens - budget
+        kv.take_transfers(out)
         return out
 
     def _allocate_or_preempt(
@@ -275,8 +282,10 @@ class Scheduler:
         return self.running[-1]  # FCFS: the last admitted
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Recompute preemption: free the blocks, keep every token, wait at the front."""
-        self.kv.free(request)  # publishes its computed full blocks first: the resume can hit them
+        """Free the blocks (swapped out first in swap mode), keep every token, wait at the front."""
+        if self.config.preemption_mode == "swap" and not request.wants_prompt_logprobs and self._swap_pays(request):
+            self.kv.swap_out(request)  # False: no room, so the resume recomputes
+        self.kv.free(request, preempted=True)  # publishes its computed full blocks first: the resume can hit them
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -285,13 +294,24 @@ class Scheduler:
         self.waiting.push_preempted(request)
         out.preempted_request_ids.append(request.request_id)
 
+    def _swap_pays(self, request: Request) -> bool:
+        """Moving the victim's blocks out and back costs less than computing its context again."""
+        if self.swap_costs is None:
+            return True
+        per_block, per_token = self.swap_costs
+        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
+        return 2 * num_blocks * per_block <= request.num_computed_tokens * per_token
+
     # -- after the forward pass -------------------------------------------------------------
     def update(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
+        failed_kv_saves: list[int] = (),
     ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, stop and free. Returns the requests
-        that got tokens this step (finished ones included)."""
+        that got tokens this step (finished ones included). `failed_kv_saves`: slots of the step's
+        second-tier saves that the runner could not write."""
         kv = self.kv
+        kv.transfers_done(failed_kv_saves)
         caching = kv.enable_prefix_caching
         bs = kv.block_size
         num_cached = kv.num_cached_blocks
@@ -361,3 +381,11 @@ class Scheduler:
             request = requests.get(rid)
             if request is not None and request.status is _RUNNING:
                 request.spec_token_ids = drafts
+
+
+def _offload_fields(kv: KVCacheManager) -> dict[str, int]:
+    o = kv.offload_stats
+    if o is None:
+        return {}
+    return dict(kv_offload_queries=o.queries, kv_offload_hits=o.hits, kv_offload_saved_blocks=o.saved_blocks,
+                kv_offload_loaded_blocks=o.loaded_blocks, num_swaps_out=o.swaps_out, num_swaps_in=o.swaps_in)

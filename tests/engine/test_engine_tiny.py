@@ -170,7 +170,8 @@ def test_c9_every_message_round_trips_with_every_field_set():
         num_running=1, num_waiting=2, kv_usage=0.25, prefix_cache_queries=40, prefix_cache_hits=16,
         num_preemptions=3, num_blocks=65, num_usable_blocks=64, num_free_blocks=48, num_steps=9,
         num_aborted_requests=1, spec_num_drafts=5, spec_num_draft_tokens=20, spec_num_accepted_tokens=11,
-        spec_num_accepted_tokens_per_pos=[5, 4, 2, 0], pid=1234,
+        spec_num_accepted_tokens_per_pos=[5, 4, 2, 0], kv_offload_queries=30, kv_offload_hits=12,
+        kv_offload_bytes_saved=4096, kv_offload_bytes_loaded=2048, num_swaps_out=2, num_swaps_in=1, pid=1234,
     ))
     ready = _all_fields_set(EngineCoreReady(
         max_model_len=512, vocab_size=512, num_blocks=65, num_usable_blocks=64, block_size=16,
@@ -183,7 +184,7 @@ def test_c9_every_message_round_trips_with_every_field_set():
     tl.prefill_chunk(1.5, 16, 8)
     tl.token(2.0, 1, 1)
     tl.preempted(2.5, 3)
-    tl.admitted(3.0, 16, True)
+    tl.admitted(3.0, 16, True, {"device": [0, 2], "disk": [2, 4]})
     tl.token(3.5, 4, 1)
     running = tl.to_dict()  # an open decode run: None fields
     tl.finished(4.0, "length", 5)

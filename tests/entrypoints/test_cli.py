@@ -25,6 +25,7 @@ ENGINE_FLAGS = [
     "--long-prefill-token-threshold", "--scheduling-policy", "--kv-cache-memory", "--num-gpu-blocks-override",
     "--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size", "--pipeline-parallel-size", "--enable-expert-parallel",
     "--distributed-executor-backend", "--max-logprobs", "--speculative-config",
+    "--kv-offloading-size", "--kv-offloading-backend", "--kv-offloading-dir", "--preemption-mode",
 ]
 
 

@@ -129,6 +129,17 @@ def test_spec_decode_counters_and_acceptance_rate_in_the_status_line():
     assert "acceptance" not in line.tick(now=line._last_time + 10)  # nothing drafted since
 
 
+def test_kv_offload_counters():
+    stats = EngineCoreStats(kv_offload_queries=300, kv_offload_hits=96, kv_offload_bytes_saved=4096,
+                            kv_offload_bytes_loaded=2048, num_swaps_out=3, num_swaps_in=2, num_preemptions=5)
+    fams = families(ServerMetrics("tiny", 512, lambda: stats))
+    got = {name: sample(fams, f"pagoda:{name}", "_total") for name in (
+        "kv_offload_queries", "kv_offload_hits", "kv_offload_bytes_saved", "kv_offload_bytes_loaded",
+        "num_swaps_out", "num_swaps_in")}
+    assert got == {"kv_offload_queries": 300, "kv_offload_hits": 96, "kv_offload_bytes_saved": 4096,
+                   "kv_offload_bytes_loaded": 2048, "num_swaps_out": 3, "num_swaps_in": 2}
+
+
 def _logger_to(buf: io.StringIO, formatter: logging.Formatter) -> logging.Logger:
     lg = logging.getLogger(f"pagoda.test.{id(buf)}")
     lg.handlers.clear()

@@ -122,3 +122,13 @@ def test_scheduler_caps_output_by_max_model_len_at_admission():
     while sched.has_unfinished_requests():
         step(sched)
     assert (r.num_output_tokens, r.finish_reason) == (4, "length")
+
+
+def test_a_step_with_kv_tier_copies_round_trips_through_msgpack():
+    from pagoda.contracts.step import KVTransfer
+
+    out = SchedulerOutput(kv_saves_first=[KVTransfer(3, 0, -(2**63))], kv_loads=[KVTransfer(4, 1, 2**63 - 1)],
+                          kv_saves=[KVTransfer(5, 2, 12345)])
+    assert not out.is_empty  # a step of copies alone still runs
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=SchedulerOutput)
+    assert back == out and back.kv_loads[0].block_hash == 2**63 - 1
