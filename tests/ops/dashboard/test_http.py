@@ -10,7 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.ops.dashboard.routes import STATIC
-from tests.ops.conftest import auth, complete, wait_idle
+from tests.ops.dashboard.server_helpers import auth, complete, wait_idle
 
 
 def test_the_page_is_public_and_its_data_needs_a_key(dashboard_server):

@@ -17,7 +17,7 @@ import threading
 import httpx
 import pyte
 
-from tests.ops.conftest import TENANT_KEYS, auth, load, wait_idle
+from tests.ops.dashboard.server_helpers import TENANT_KEYS, auth, load, wait_idle
 from tests.serve.serve_helpers import REPO, wait_for
 
 ROWS, COLS = 50, 160

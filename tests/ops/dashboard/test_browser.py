@@ -2,7 +2,7 @@
 chromedriver; no browser is downloaded): the page asks for the API key once, its counters, tenant
 rows and recent requests change to the right values as requests run, and a click on a request
 draws that request's timeline. A screenshot is saved under $PAGODA_TEST_ARTIFACTS (default
-test-artifacts/).
+test-artifacts/ at the repository's root).
 
 Without a Chromium the test skips, saying so; with PAGODA_REQUIRE_BROWSER=1 (set by .ci/run, which
 installs Chromium) a missing browser fails instead.
@@ -18,10 +18,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.ops.conftest import PREFILL_CHUNK, TENANT_KEYS, auth, complete, wait_idle
+from tests.ops.dashboard.server_helpers import PREFILL_CHUNK, TENANT_KEYS, auth, complete, wait_idle
 from tests.serve.serve_helpers import wait_for
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ARTIFACTS = Path(os.environ.get("PAGODA_TEST_ARTIFACTS") or REPO / "test-artifacts")
 
 

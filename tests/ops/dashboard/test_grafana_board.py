@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.ops.conftest import complete
+from tests.ops.dashboard.server_helpers import complete
 
-BOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "pagoda.json"
+BOARD = Path(__file__).resolve().parents[3] / "docs" / "grafana" / "pagoda.json"
 SERIES = re.compile(r"\bpagoda:[A-Za-z0-9_]+")
 # A series and its label matchers, e.g. pagoda:x_bucket{model_name=~"$model_name"}.
 SELECTOR = re.compile(r"(\bpagoda:[A-Za-z0-9_]+)\{([^}]*)\}")
