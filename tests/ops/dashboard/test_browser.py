@@ -10,6 +10,7 @@ installs Chromium) a missing browser fails instead.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -31,31 +32,33 @@ def _find(names: tuple[str, ...], env: str) -> str | None:
     return next((path for n in names if (path := shutil.which(n))), None)
 
 
-def _missing(why: str):
-    if os.environ.get("PAGODA_REQUIRE_BROWSER") == "1":
-        pytest.fail(f"PAGODA_REQUIRE_BROWSER=1 but {why}")
-    pytest.skip(f"{why}: install Chromium and its driver from the OS packages (apt-get install chromium "
-                f"chromium-driver) to run the dashboard's browser test")
+CHROMIUM = _find(("chromium", "chromium-browser", "google-chrome"), "PAGODA_CHROMIUM")
+CHROMEDRIVER = _find(("chromedriver",), "PAGODA_CHROMEDRIVER")
+MISSING = ("no Chromium found" if CHROMIUM is None else "no chromedriver found" if CHROMEDRIVER is None
+           else "selenium is not installed" if importlib.util.find_spec("selenium") is None else None)
+REQUIRED = os.environ.get("PAGODA_REQUIRE_BROWSER") == "1"
+# A mark, not a skip inside a fixture: a skipped test starts no server.
+pytestmark = pytest.mark.skipif(
+    MISSING is not None and not REQUIRED,
+    reason=f"{MISSING}: install Chromium and its driver from the OS packages (apt-get install chromium "
+           f"chromium-driver) to run the dashboard's browser test",
+)
 
 
 @pytest.fixture(scope="module")
 def browser():
-    chromium = _find(("chromium", "chromium-browser", "google-chrome"), "PAGODA_CHROMIUM")
-    driver_path = _find(("chromedriver",), "PAGODA_CHROMEDRIVER")
-    if chromium is None or driver_path is None:
-        _missing("no Chromium found" if chromium is None else "no chromedriver found")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        _missing("selenium is not installed")
+    if MISSING is not None:
+        pytest.fail(f"PAGODA_REQUIRE_BROWSER=1 but {MISSING}")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
     options = webdriver.ChromeOptions()
-    options.binary_location = chromium
+    options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1400,1100"):
         options.add_argument(arg)
     # An explicit driver path: Selenium never looks for (or downloads) a driver of its own.
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     try:
         yield driver
     finally:
