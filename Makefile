@@ -33,6 +33,8 @@ serve: $(KERNELS)
 	$(VENV)/bin/pagoda serve
 
 test: $(KERNELS)
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null || \
+		echo "make test: no Chromium found, so the dashboard's browser test will be skipped (apt-get install chromium chromium-driver)"
 	$(PY) -m pytest -q tests
 
 clean:

@@ -90,6 +90,8 @@ class RequestSink:
 
     def on_tokens(self, num_tokens: int, since_previous: float | None) -> None: ...
 
+    def on_request_tokens(self, request_id: str, num_tokens: int) -> None: ...
+
     def on_iteration_tokens(self, counts: list[int]) -> None: ...
 
     def on_finished(self, r: FinishedRequest) -> None: ...
@@ -152,6 +154,7 @@ class RequestTracker:
                 self._live[res.request_id] = live
             n_new = sum(len(o.token_ids) for o in res.outputs)
             if n_new:
+                self._emit("on_request_tokens", res.request_id, n_new)
                 if live.first_token_time is None:
                     live.first_token_time = now
                     self._emit("on_first_token", now - live.arrival_time, live.num_prompt_tokens)

@@ -1,6 +1,6 @@
 """Puts the ops layer onto a server built by `pagoda.serve.app.build_app`: /metrics, /ready, /load,
-request timelines, the request tracker with its sinks (metrics, request log, tracer) and the
-periodic status line."""
+request timelines, the request tracker with its sinks (metrics, per-tenant usage, the recent
+requests, request log, tracer), the periodic status line and the dashboard (`pagoda.ops.dashboard`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from dataclasses import dataclass
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pagoda.ops.dashboard.routes import Dashboard, public_paths
+from pagoda.ops.dashboard.routes import router as dashboard_router
 from pagoda.ops.metrics import CONTENT_TYPE, ServerMetrics
+from pagoda.ops.recent_requests import RecentRequests
 from pagoda.ops.request_events import RequestLogger, RequestTracker
 from pagoda.ops.status import StatusLine, log_status_forever
+from pagoda.ops.tenant_usage import TenantUsage
 from pagoda.serve.state import ServerState, get_state
 from pagoda.serve.errors import APIError, unavailable
 
@@ -38,7 +42,11 @@ class Ops:
         engine = state.engine
         max_len = engine.args.max_model_len or _DEFAULT_MAX_MODEL_LEN
         self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats)
-        sinks: list = [self.metrics, RequestLogger(config.log_requests)]
+        self.tenant_usage = TenantUsage(self.metrics.registry, state.config.model_name)
+        self.recent = RecentRequests()
+        for sink in (self.tenant_usage, self.recent):
+            state.on_request_started.append(sink.on_request_started)
+        sinks: list = [self.metrics, self.tenant_usage, self.recent, RequestLogger(config.log_requests)]
         self.tracer = None
         if config.otlp_traces_endpoint:
             from pagoda.ops.tracing import RequestTracer
@@ -47,11 +55,13 @@ class Ops:
             sinks.append(self.tracer)
         self.tracker = RequestTracker(sinks)
         self.tracker.attach(engine)
+        self.dashboard = Dashboard(state, self.metrics.registry, self.recent)
         self._status_task: asyncio.Task | None = None
         state.on_ready.append(self._on_ready)
         state.on_shutdown.append(self._on_shutdown)
 
     def _on_ready(self) -> None:
+        self.dashboard.start()
         if self.config.log_stats_interval > 0:
             line = StatusLine(self.metrics, lambda: self.state.engine.latest_stats)
             self._status_task = asyncio.get_running_loop().create_task(
@@ -59,6 +69,7 @@ class Ops:
             )
 
     def _on_shutdown(self) -> None:
+        self.dashboard.stop()
         if self._status_task is not None:
             self._status_task.cancel()
         if self.tracer is not None:
@@ -125,5 +136,8 @@ async def timeline(request_id: str, request: Request) -> dict:
 def install_ops(app: FastAPI, state: ServerState, config: OpsConfig | None = None) -> Ops:
     ops = Ops(state, config or OpsConfig())
     app.state.ops = ops
+    app.state.dashboard = ops.dashboard
     app.include_router(router)
+    app.include_router(dashboard_router)
+    state.config.public_paths |= public_paths()
     return ops

@@ -120,6 +120,11 @@ async def start(state: ServerState, prep: Prepared, request_id: str) -> list[Req
         for i, prompt in enumerate(prep.prompts):
             rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
             streams.append(await state.engine.add_request(prompt, prep.params, rid, prep.priority))
+            for listener in state.on_request_started:
+                try:
+                    listener(rid, prep.tenant.name, len(prompt.prompt_token_ids))
+                except Exception:
+                    logger.exception("request listener failed")
     except BaseException as exc:
         for s in streams:
             s.close()

@@ -4,8 +4,9 @@ auth / rate-limit middleware and the routers (`pagoda.serve.routes`: the small e
 
 Extending (the ops layer does this): `build_app()` returns a plain FastAPI app whose `app.state.server`
 is the `ServerState`; add routers with `app.include_router`, public paths to
-`ServerConfig.public_paths`, engine-output listeners to `state.engine.output_listeners`, and
-lifecycle hooks to `state.on_ready` / `state.on_dead` / `state.on_shutdown`. The lifecycle itself is
+`ServerConfig.public_paths`, engine-output listeners to `state.engine.output_listeners`, listeners
+told which tenant sent each engine request to `state.on_request_started`, and lifecycle hooks to
+`state.on_ready` / `state.on_dead` / `state.on_shutdown`. The lifecycle itself is
 described in `pagoda.serve.state`.
 """
 

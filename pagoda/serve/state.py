@@ -64,6 +64,8 @@ class ServerState:
         self.on_ready: list[Callable[[], None]] = []
         self.on_dead: list[Callable[[str], None]] = []
         self.on_shutdown: list[Callable[[], None]] = []
+        # Told of every engine request a route sends: (request id, tenant name, prompt tokens).
+        self.on_request_started: list[Callable[[str, str, int], None]] = []
         self._start_task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
 
