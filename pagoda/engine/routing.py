@@ -59,7 +59,8 @@ class Router:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.index = index or PrefixIndex()
-        self._turn = itertools.count()
+        self._turn = itertools.count()  # orders choices, for ties
+        self._rr = itertools.count()
         self._last_chosen: dict[int, int] = {}
 
     def _least_loaded(self, loads: dict[int, int], among: Sequence[int] | None = None) -> int:
@@ -87,7 +88,7 @@ class Router:
         if len(live) == 1:
             return RouteDecision(live[0], reason="only_replica", **base)
         if self.policy == "round_robin":
-            return RouteDecision(live[next(self._turn) % len(live)], reason="round_robin", **base)
+            return RouteDecision(live[next(self._rr) % len(live)], reason="round_robin", **base)
         if self.policy == "least_load":
             return RouteDecision(self._least_loaded(loads), reason="least_load", **base)
         if self.policy == "session":

@@ -44,41 +44,51 @@ def one_two_five_buckets(limit: int) -> list[float]:
 
 
 class _CoreStatsCollector(Collector):
-    """Gauges and counters read from the engine core's latest stats snapshot at scrape time."""
+    """Gauges and counters read from the engine core's latest stats snapshot at scrape time. With
+    data-parallel replicas (`by_engine`), one series per replica under vLLM's `engine` label."""
 
-    def __init__(self, model_name: str, latest: Callable[[], EngineCoreStats | None]) -> None:
+    def __init__(self, model_name: str, latest: Callable[[], EngineCoreStats | None],
+                 by_engine: Callable[[], dict[str, EngineCoreStats]] | None = None) -> None:
         self.model_name = model_name
         self.latest = latest
+        self.by_engine = by_engine
 
     def collect(self) -> Iterable:
-        s = self.latest() or EngineCoreStats()
-        labels = [self.model_name]
+        if self.by_engine is not None:
+            names = ["model_name", "engine"]
+            series = [([self.model_name, e], s) for e, s in sorted(self.by_engine().items())]
+        else:
+            names = ["model_name"]
+            series = [([self.model_name], self.latest() or EngineCoreStats())]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            g.add_metric(labels, value)
-            return g
+        def family(kind, name: str, doc: str, value: Callable[[EngineCoreStats], float]):
+            f = kind(PREFIX + name, doc, labels=names)
+            for labels, s in series:
+                f.add_metric(labels, value(s))
+            return f
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            c.add_metric(labels, value)
-            return c
+        def gauge(name: str, doc: str, field: str):
+            return family(GaugeMetricFamily, name, doc, lambda s: getattr(s, field))
 
-        yield gauge("num_requests_running", "Number of requests in the engine's running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.kv_usage)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
-        yield counter("num_preemptions", "Preemptions (recompute) by the scheduler.", s.num_preemptions)
+        def counter(name: str, doc: str, field: str):
+            return family(CounterMetricFamily, name, doc, lambda s: getattr(s, field))
+
+        yield gauge("num_requests_running", "Number of requests in the engine's running batch.", "num_running")
+        yield gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", "num_waiting")
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", "kv_usage")
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries")
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_cache_hits")
+        yield counter("num_preemptions", "Preemptions (recompute) by the scheduler.", "num_preemptions")
         yield counter("spec_decode_num_drafts", "Speculative steps of a request (rows with draft tokens).",
-                      s.spec_num_drafts)
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
+                      "spec_num_drafts")
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_num_draft_tokens")
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens")
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
-                                      labels=["model_name", "position"])
-        for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos):
-            per_pos.add_metric([self.model_name, str(pos)], n)
+                                      labels=names + ["position"])
+        for labels, s in series:
+            for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos):
+                per_pos.add_metric(labels + [str(pos)], n)
         yield per_pos
 
     def describe(self) -> Iterable:
@@ -88,11 +98,12 @@ class _CoreStatsCollector(Collector):
 class ServerMetrics:
     """The server's metrics registry; `render()` is the /metrics body."""
 
-    def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None]) -> None:
+    def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None],
+                 stats_by_engine: Callable[[], dict[str, EngineCoreStats]] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg, labels = self.registry, ["model_name"]
-        self.registry.register(_CoreStatsCollector(model_name, latest_stats))
+        self.registry.register(_CoreStatsCollector(model_name, latest_stats, stats_by_engine))
         token_buckets = one_two_five_buckets(max(max_model_len, 1))
 
         def hist(name: str, doc: str, buckets) -> Histogram:
