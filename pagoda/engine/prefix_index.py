@@ -10,7 +10,7 @@ the prompt's block hashes are in r's set". Each replica's set is kept from two s
   corrects the guesses: an evicted prefix stops attracting requests.
 
 Each replica's set is an LRU bounded by `max_blocks` entries, so memory stays bounded whatever the
-replicas report. The standalone router (`pagoda.serve.lb_*`), which cannot read its backends'
+replicas report. The standalone router (`pagoda.serve.router_app`), which cannot read its backends'
 caches, feeds the same index from the prompts it routes alone, hashing bytes of text.
 """
 

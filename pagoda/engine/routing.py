@@ -3,7 +3,8 @@
 - `cache_aware` (default): the replica holding the longest prefix of the prompt (`PrefixIndex`),
   unless the load is out of balance (the busiest replica has more than `balance_abs_threshold`
   requests over the idlest and more than `balance_rel_threshold` times its load): then the least
-  loaded. Without any match, the least loaded.
+  loaded. A prompt matching nowhere goes to the replica whose index holds the fewest blocks (so
+  new prefixes spread evenly), one without full blocks to the least loaded.
 - `least_load`: the replica with the fewest requests running and waiting.
 - `round_robin`: in turn.
 - `session`: the same replica for the same session key (the request's `user` field or a header),
@@ -12,7 +13,7 @@
 
 Ties go to the replica least recently chosen, so equal loads spread evenly. The router is plain
 Python over plain data: the data-parallel front end (`pagoda.engine.replica_set`) and the
-standalone router (`pagoda.serve.lb_app`) both use it.
+standalone router (`pagoda.serve.router_app`) both use it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class RouteDecision:
 
     replica: int
     policy: str
-    reason: str  # prefix_match, least_load, imbalance, round_robin, session, only_replica
+    reason: str  # prefix_match, least_cached, least_load, imbalance, round_robin, session, only_replica
     matched_blocks: int = 0
     prompt_blocks: int = 0
     loads: dict[int, int] | None = None
@@ -101,7 +102,13 @@ class Router:
         matches = {r: self.index.match(r, hashes) for r in live} if hashes else {}
         best = max(matches.values(), default=0)
         if best == 0:
-            return RouteDecision(self._least_loaded(loads), reason="least_load", **base)
+            if not hashes:
+                return RouteDecision(self._least_loaded(loads), reason="least_load", **base)
+            # A new prefix: to the replica caching least (SGLang's smallest tree), which spreads
+            # new prefixes, and so the cache, evenly whatever each replica's speed.
+            smallest = min(self.index.num_blocks(r) for r in live)
+            return RouteDecision(self._least_loaded(loads, [r for r in live if self.index.num_blocks(r) == smallest]),
+                                 reason="least_cached", **base)
         tied = [r for r in live if matches[r] == best]
         return RouteDecision(self._least_loaded(loads, tied), reason="prefix_match", matched_blocks=best, **base)
 

@@ -1,7 +1,8 @@
 """The `pagoda` command: the top parser, `pagoda generate`, and `main`, which runs a subcommand and
 turns a refused argument or model into one `pagoda: error:` line and exit code 2.
 
-`pagoda serve` lives in entrypoints/serve.py, `pagoda bench` in entrypoints/bench.py.
+`pagoda serve` lives in entrypoints/serve.py, `pagoda bench` in entrypoints/bench.py, `pagoda router` in
+entrypoints/router.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.bench import add_bench_parser
 from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
+from pagoda.entrypoints.router import add_router_parser
 from pagoda.entrypoints.serve import add_serve_parser
 
 
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_router_parser(sub)
     return parser
 
 

@@ -60,7 +60,10 @@ def test_block_pool_reports_published_and_evicted_hashes():
 def test_cache_aware_follows_the_longest_prefix_unless_loads_are_out_of_balance():
     router = Router("cache_aware", balance_abs_threshold=4, balance_rel_threshold=1.5)
     first = router.choose({0: 0, 1: 0}, [1, 2, 3])
-    assert first.reason == "least_load"
+    assert first.reason == "least_cached"
+    # A new prefix goes to the replica caching least, even if it is busier.
+    other = router.choose({first.replica: 0, 1 - first.replica: 2}, [7, 8])
+    assert (other.replica, other.reason) == (1 - first.replica, "least_cached")
     # The prompt's blocks now count as held there: the next request with that prefix follows it,
     # even onto the busier replica, while the imbalance stays within the thresholds.
     again = router.choose({0: 3, 1: 0} if first.replica == 0 else {0: 0, 1: 3}, [1, 2, 9])
