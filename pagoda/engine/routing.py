@@ -3,8 +3,8 @@
 - `cache_aware` (default): the replica holding the longest prefix of the prompt (`PrefixIndex`),
   unless the load is out of balance (the busiest replica has more than `balance_abs_threshold`
   requests over the idlest and more than `balance_rel_threshold` times its load): then the least
-  loaded. A prompt matching nowhere goes to the replica whose index holds the fewest blocks (so
-  new prefixes spread evenly), one without full blocks to the least loaded.
+  loaded. A prompt matching nowhere goes to the replica that was sent the fewest new (unmatched)
+  blocks so far, so that new prefixes spread evenly; one without a full block to the least loaded.
 - `least_load`: the replica with the fewest requests running and waiting.
 - `round_robin`: in turn.
 - `session`: the same replica for the same session key (the request's `user` field or a header),
@@ -63,6 +63,7 @@ class Router:
         self._turn = itertools.count()  # orders choices, for ties
         self._rr = itertools.count()
         self._last_chosen: dict[int, int] = {}
+        self._new_blocks: dict[int, int] = {}  # per replica: prompt blocks it was sent that it did not hold
 
     def _least_loaded(self, loads: dict[int, int], among: Sequence[int] | None = None) -> int:
         among = list(loads) if among is None else among
@@ -81,6 +82,8 @@ class Router:
         self._last_chosen[decision.replica] = next(self._turn)
         if hashes and self.policy in ("cache_aware", "session"):
             self.index.insert(decision.replica, hashes)
+            r = decision.replica
+            self._new_blocks[r] = self._new_blocks.get(r, 0) + len(hashes) - decision.matched_blocks
         return decision
 
     def _decide(self, loads: dict[int, int], hashes: Sequence[int], session: str | None) -> RouteDecision:
@@ -104,17 +107,22 @@ class Router:
         if best == 0:
             if not hashes:
                 return RouteDecision(self._least_loaded(loads), reason="least_load", **base)
-            # A new prefix: to the replica caching least (SGLang's smallest tree), which spreads
-            # new prefixes, and so the cache, evenly whatever each replica's speed.
-            smallest = min(self.index.num_blocks(r) for r in live)
-            return RouteDecision(self._least_loaded(loads, [r for r in live if self.index.num_blocks(r) == smallest]),
+            # A new prefix: to the replica sent the fewest new blocks so far (as SGLang's smallest
+            # tree), which spreads new prefixes, and so the caches' contents, evenly whatever each
+            # replica's speed. (Not the index's size: a busier replica evicts more, looks emptier,
+            # and would draw ever more.)
+            fewest = min(self._new_blocks.get(r, 0) for r in live)
+            return RouteDecision(self._least_loaded(loads, [r for r in live if self._new_blocks.get(r, 0) == fewest]),
                                  reason="least_cached", **base)
         tied = [r for r in live if matches[r] == best]
         return RouteDecision(self._least_loaded(loads, tied), reason="prefix_match", matched_blocks=best, **base)
 
     def forget_replica(self, replica: int) -> None:
-        """It restarted (or was ejected): whatever it held is gone."""
+        """It restarted (or was ejected): whatever it held is gone, and it starts level with the
+        replica sent the fewest new blocks (not at zero, which would send it every new prefix)."""
         self.index.clear(replica)
+        others = [n for r, n in self._new_blocks.items() if r != replica]
+        self._new_blocks[replica] = min(others, default=0)
 
 
 def rendezvous(key: str, replicas: Sequence[int]) -> int:

@@ -9,8 +9,8 @@ chained hashes go into the prefix index of the backend that got it. Generation r
 (/v1/models, /tokenize, ...) goes to the least loaded healthy backend. Bodies and responses pass
 through unchanged (streams chunk by chunk); the response names its backend (`X-Pagoda-Backend`).
 
-Failures: a backend that cannot be reached before it answered is ejected and the request goes to
-another one; a stream cut mid-way ends with an error event and `[DONE]`. The router's own /health
+Failures: a backend that cannot be reached, or answers 503 (draining, its engine gone), is ejected
+and the request goes to another one; a stream cut mid-way ends with an error event and `[DONE]`. The router's own /health
 is 200 while a backend is up, /ready and /load list the backends (their own /load included).
 """
 
@@ -140,6 +140,13 @@ async def _proxy(state: RouterState, request: Request, path: str, routed: bool) 
         except httpx.HTTPError as exc:  # nothing reached the client: another backend may serve it
             backend.in_flight -= 1
             state.pool.eject(backend, f"{type(exc).__name__}: {exc}")
+            tried.add(index)
+            continue
+        if resp.status_code == 503 and state.pool.loads(tried | {index}):
+            # Draining, or its engine is gone: another backend serves it.
+            await resp.aclose()
+            backend.in_flight -= 1
+            state.pool.eject(backend, "answered 503")
             tried.add(index)
             continue
         backend.requests += 1

@@ -61,9 +61,10 @@ def test_cache_aware_follows_the_longest_prefix_unless_loads_are_out_of_balance(
     router = Router("cache_aware", balance_abs_threshold=4, balance_rel_threshold=1.5)
     first = router.choose({0: 0, 1: 0}, [1, 2, 3])
     assert first.reason == "least_cached"
-    # A new prefix goes to the replica caching least, even if it is busier.
+    # A new prefix goes to the replica sent the fewest new blocks, even if it is busier.
     other = router.choose({first.replica: 0, 1 - first.replica: 2}, [7, 8])
     assert (other.replica, other.reason) == (1 - first.replica, "least_cached")
+    assert router.choose({0: 0, 1: 0}, [20]).replica == other.replica  # sent 2 new blocks, not 3
     # The prompt's blocks now count as held there: the next request with that prefix follows it,
     # even onto the busier replica, while the imbalance stays within the thresholds.
     again = router.choose({0: 3, 1: 0} if first.replica == 0 else {0: 0, 1: 3}, [1, 2, 9])
@@ -72,8 +73,9 @@ def test_cache_aware_follows_the_longest_prefix_unless_loads_are_out_of_balance(
     over = router.choose(loads, [1, 2, 3])
     assert (over.replica, over.reason) == (1 - first.replica, "imbalance")
     assert router.choose({0: 0, 1: 0}, []).reason == "least_load"
-    router.forget_replica(first.replica)  # it restarted: it holds nothing
+    router.forget_replica(first.replica)  # it restarted: it holds nothing, and is level with the other
     assert router.index.match(first.replica, [1, 2]) == 0
+    assert router._new_blocks[first.replica] == router._new_blocks[1 - first.replica]
 
 
 def test_least_load_round_robin_and_session():
