@@ -87,6 +87,7 @@ class DataParallelLLM:
         self._dead_callbacks: list[Callable[[str], None]] = []
         self.dead_reason: str | None = None
         self.ready = False
+        self._info = None
         self.routes: OrderedDict[str, RouteDecision] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
@@ -114,6 +115,7 @@ class DataParallelLLM:
             raise errors[0]
         for r in self.replicas:
             self._mark_up(r)
+        self._info = self.replicas[0].engine.info
         self.ready = True
         logger.info("%d data-parallel replicas ready, routing %s", len(self.replicas), self.router.policy)
 
@@ -234,11 +236,12 @@ class DataParallelLLM:
     # -- model facts and inputs: any replica's (they serve the same model) -----------------------
     @property
     def info(self):
-        return self.replicas[0].engine.info
+        """The model's facts, from the first start (a replica restarting has none until it is ready)."""
+        return self._info
 
     @property
     def tokenizer(self) -> Any:
-        return self.replicas[0].engine.tokenizer
+        return self._tokenizer if self._tokenizer != "auto" else None
 
     @property
     def max_model_len(self) -> int:
