@@ -57,7 +57,8 @@ def prompt_units(path: str, body: Any) -> list[int]:
             parts.append(f"<|{m.get('role')}|>{content or ''}")
         return list("".join(parts).encode())
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt:
+    is_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+    if isinstance(prompt, list) and prompt and not is_ids:
         prompt = prompt[0]  # several prompts go together: the first decides
     if isinstance(prompt, str):
         return list(prompt.encode())
