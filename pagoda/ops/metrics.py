@@ -10,7 +10,7 @@ scrape always shows the core's latest report.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -54,41 +54,44 @@ class _CoreStatsCollector(Collector):
         self.by_engine = by_engine
 
     def collect(self) -> Iterable:
-        if self.by_engine is not None:
-            names = ["model_name", "engine"]
-            series = [([self.model_name, e], s) for e, s in sorted(self.by_engine().items())]
-        else:
-            names = ["model_name"]
-            series = [([self.model_name], self.latest() or EngineCoreStats())]
+        if self.by_engine is None:
+            yield from self._families(self.latest() or EngineCoreStats(), ["model_name"], [self.model_name])
+            return
+        merged: dict[str, Any] = {}
+        for engine, s in sorted(self.by_engine().items()):
+            for family in self._families(s, ["model_name", "engine"], [self.model_name, engine]):
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
 
-        def family(kind, name: str, doc: str, value: Callable[[EngineCoreStats], float]):
-            f = kind(PREFIX + name, doc, labels=names)
-            for labels, s in series:
-                f.add_metric(labels, value(s))
-            return f
+    def _families(self, s: EngineCoreStats, names: list[str], labels: list[str]) -> Iterable:
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
+            g.add_metric(labels, value)
+            return g
 
-        def gauge(name: str, doc: str, field: str):
-            return family(GaugeMetricFamily, name, doc, lambda s: getattr(s, field))
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=names)
+            c.add_metric(labels, value)
+            return c
 
-        def counter(name: str, doc: str, field: str):
-            return family(CounterMetricFamily, name, doc, lambda s: getattr(s, field))
-
-        yield gauge("num_requests_running", "Number of requests in the engine's running batch.", "num_running")
-        yield gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", "num_waiting")
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", "kv_usage")
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries")
-        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "prefix_cache_hits")
-        yield counter("num_preemptions", "Preemptions (recompute) by the scheduler.", "num_preemptions")
+        yield gauge("num_requests_running", "Number of requests in the engine's running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.kv_usage)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
+        yield counter("num_preemptions", "Preemptions (recompute) by the scheduler.", s.num_preemptions)
         yield counter("spec_decode_num_drafts", "Speculative steps of a request (rows with draft tokens).",
-                      "spec_num_drafts")
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_num_draft_tokens")
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens")
+                      s.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
                                       labels=names + ["position"])
-        for labels, s in series:
-            for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos):
-                per_pos.add_metric(labels + [str(pos)], n)
+        for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos):
+            per_pos.add_metric(labels + [str(pos)], n)
         yield per_pos
 
     def describe(self) -> Iterable:

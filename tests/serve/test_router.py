@@ -113,7 +113,7 @@ def test_stopped_backend_is_ejected_within_its_interval_and_readmitted(cluster, 
             assert time.monotonic() - stopped < 30, "never ejected"
             time.sleep(0.05)
         took = time.monotonic() - stopped
-        assert took <= HEALTH_INTERVAL + HEALTH_TIMEOUT + 0.5, took
+        assert took <= HEALTH_INTERVAL + HEALTH_TIMEOUT + 1.0, took  # + polling and a loaded machine
         assert http.get("/health").status_code == 200
         for i in range(4):  # all served by the other backend
             assert _complete(http, f"w{i + 20} w3").headers["x-pagoda-backend"] == backends[0].url
