@@ -144,6 +144,10 @@ class EngineArgs:
         False, "mixture-of-experts layers under tensor parallelism: each rank holds whole experts (E / tp of "
         "them) instead of a slice of every expert",
     )
+    data_parallel_size: int = _arg(
+        1, "engine replicas, each its own process with its own KV cache (and TP/PP ranks), behind one server",
+        short="-dp",
+    )
     distributed_executor_backend: str | None = _arg(
         None, "how the ranks run: uni (this process, one rank), mp (a worker process per rank on this machine) "
         "or ray; default: uni for one rank, else mp", choices=EXECUTOR_BACKENDS,
@@ -208,6 +212,8 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.distributed_executor_backend not in (None,) + EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "

@@ -108,6 +108,15 @@ class EngineCoreReady(msgspec.Struct, omit_defaults=True):
     pid: int = 0
 
 
+class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Block hashes the core's prefix cache published and dropped since its previous message (vLLM's
+    KV events); `cleared`: the whole cache was reset before these."""
+
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False
+
+
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     """Everything the core process sends: one step's outputs, and/or a utility reply, readiness,
     requests it refused, or why it failed."""
@@ -123,6 +132,7 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     config_error: str | None = None
     timestamp: float = 0.0
     iteration_tokens: list[int] = []  # tokens scheduled in each step since the previous message
+    kv_events: KVCacheEvents | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -12,6 +12,11 @@ Served (the API process and the engine-core process):
 - `core_client`: `CoreClient`, the API side of the core process: spawning and supervising it
   (sentinel, dead-core handling), the ZMQ sockets, requests/aborts, utility calls, receiving outputs.
 - `core_proc`: the core process itself: `run_engine_core` and the `EngineCoreProc` loop.
+- `replica_set`: `DataParallelLLM`, N `AsyncLLM` replicas behind the same interface
+  (`--data-parallel-size`): routing, restarts of dead replicas; `failover_stream`: a request's stream
+  that moves to another replica when its replica dies before it streamed anything.
+- `routing` and `prefix_index`: the routing policies (cache_aware, least_load, round_robin,
+  session) and the bounded per-replica index of block hashes they read.
 
 Shared by both:
 - `core`: `EngineCore`, the scheduler, KV cache and model runner behind one `step()`.

@@ -21,7 +21,8 @@ from pagoda.engine.context_length import resolve_max_model_len
 from pagoda.engine.input_processor import eos_token_id_of
 from pagoda.engine.kv_tiers import (SwapCostMeter, attach_offloader, check_offload_config, offload_stats, second_tier,
                                     tier_sources)
-from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats
+from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats, KVCacheEvents
+from pagoda.contracts.step import SchedulerOutput
 from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.exec.cpu_kv_sizing import cpu_kv_budget, max_cached_free_blocks
@@ -371,6 +372,14 @@ class EngineCore:
             if ids or (free is not None and free > _HEAP_FREE_KEPT):
                 trim_heap()
         return released
+
+    def pop_kv_events(self) -> KVCacheEvents | None:
+        """What the prefix cache published and dropped since the last call (None: nothing); the core
+        process records them (`BlockPool.record_events`) and sends them with its next message."""
+        stored, removed, cleared = self.kv_manager.block_pool.pop_events()
+        if not (stored or removed or cleared):
+            return None
+        return KVCacheEvents(stored=stored, removed=removed, cleared=cleared)
 
     def pop_iteration_tokens(self) -> list[int]:
         tokens, self.iteration_tokens = self.iteration_tokens, []

@@ -80,10 +80,14 @@ class EngineCoreProc:
     # -- setup ---------------------------------------------------------------------------------
     def load(self) -> None:
         from pagoda.engine.core import EngineCore
+        from pagoda.engine.devices import share_cpu_threads
 
+        if not str(self.args.device).startswith("cuda"):
+            share_cpu_threads(self.args.data_parallel_size)
         self.core = EngineCore(self.args)
         core = self.core
         core.record_iteration_tokens = True
+        core.kv_manager.block_pool.record_events()
         dtype = str(core.loaded.dtype).removeprefix("torch.")
         self._send(
             EngineCoreOutputs(
@@ -185,7 +189,8 @@ class EngineCoreProc:
                 self._last_sent_stats = stats
                 self._send(
                     EngineCoreOutputs(
-                        outputs=outputs, stats=stats, timestamp=time.time(), iteration_tokens=core.pop_iteration_tokens()
+                        outputs=outputs, stats=stats, timestamp=time.time(), iteration_tokens=core.pop_iteration_tokens(),
+                        kv_events=core.pop_kv_events(),
                     )
                 )
             elif core.num_steps == steps_before:
@@ -197,10 +202,12 @@ class EngineCoreProc:
 
     def _send_stats_if_changed(self) -> None:
         stats = self.stats()
-        if stats != self._last_sent_stats or self.core.iteration_tokens:
+        events = self.core.pop_kv_events()
+        if stats != self._last_sent_stats or self.core.iteration_tokens or events is not None:
             self._last_sent_stats = stats
             self._send(
-                EngineCoreOutputs(stats=stats, timestamp=time.time(), iteration_tokens=self.core.pop_iteration_tokens())
+                EngineCoreOutputs(stats=stats, timestamp=time.time(), iteration_tokens=self.core.pop_iteration_tokens(),
+                                  kv_events=events)
             )
 
     def close(self) -> None:

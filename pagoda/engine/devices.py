@@ -12,6 +12,7 @@ torch is imported only when a CUDA device is named: the API process otherwise ne
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -43,3 +44,14 @@ def limit_torch_threads() -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass  # only settable before the first parallel op; harmless if already fixed
+
+
+def share_cpu_threads(num_replicas: int) -> None:
+    """In a data-parallel replica's core process: its share of the CPU's cores, so that N replicas
+    on one machine do not each start a thread per core and fight over them."""
+    if num_replicas <= 1:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // num_replicas))

@@ -31,6 +31,9 @@ class LLMEngine:
         """`loaded` and `tokenizer` reuse an already loaded model (tests build many engines on one);
         tokenizer=None runs on token ids alone."""
         self.args = args
+        if args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is for `pagoda serve` (one engine process per replica); "
+                             "offline generation runs one engine")
         check_device_available(args.device)
         self.core = EngineCore(args, loaded)
         self.tokenizer = load_tokenizer(self.core.loaded.source) if tokenizer == "auto" else tokenizer

@@ -2,7 +2,7 @@
 turns a refused argument or model into one `pagoda: error:` line and exit code 2.
 
 `pagoda serve` lives in entrypoints/serve.py, `pagoda bench` in entrypoints/bench.py, `pagoda top` in
-entrypoints/top.py.
+entrypoints/top.py, `pagoda router` in entrypoints/router.py.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.bench import add_bench_parser
 from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
+from pagoda.entrypoints.router import add_router_parser
 from pagoda.entrypoints.serve import add_serve_parser
 from pagoda.entrypoints.top import add_top_parser
 
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_top_parser(sub)
+    add_router_parser(sub)
     return parser
 
 

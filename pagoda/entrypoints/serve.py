@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from pagoda.config import EngineArgs
+from pagoda.engine.routing import ROUTING_POLICIES
 from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
 
 
@@ -57,6 +58,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "e.g. http://localhost:4318/v1/traces")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting (0: stop at once)")
+    p.add_argument("--routing-policy", default="cache_aware", choices=ROUTING_POLICIES,
+                   help="with --data-parallel-size > 1, which replica serves a request: the one holding the longest "
+                        "prefix of its prompt (cache_aware), the least loaded, in turn (round_robin), or by "
+                        "session (the X-Session-Id header, else the request's `user`)")
     p.add_argument("--root-path", default="", help="ASGI root path when behind a path-based proxy")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -99,7 +104,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     )
     state = make_state(
         engine_args, config, tenants, chat_template=chat_template, log_level=ns.log_level,
-        log_setup=LogSetup(ns.log_level, ns.log_format, "engine-core"),
+        log_setup=LogSetup(ns.log_level, ns.log_format, "engine-core"), routing_policy=ns.routing_policy,
     )
     app = build_app(state)
     install_ops(app, state, OpsConfig(

@@ -20,6 +20,10 @@ stays lazy (a block keeps its hash until it is needed), so a preempted request's
 for its resume whenever nothing else needs them; `evict_cached_beyond_cap` applies the bound eagerly,
 for the working-set trimmer.
 
+With `record_events()` on, the pool keeps the hashes it published and dropped since the last
+`pop_events()` (vLLM's KV events): a data-parallel router in the API process learns from them which
+prefixes each replica holds.
+
 Block 0 is reserved as the null block: it is never handed out, so the execution layer can point
 padding rows (CUDA graph padding, unused block-table entries) at it. Usable blocks are 1..num_blocks-1.
 """
@@ -134,6 +138,22 @@ class BlockPool:
         self.cached_free = FreeBlockQueue(())
         # One block per hash: a second block computed with the same content is simply not cached.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # KV events since the last pop_events(): None while nobody listens (offline, tests).
+        self._stored: list[BlockHash] | None = None
+        self._removed: list[BlockHash] | None = None
+        self._cleared = False
+
+    def record_events(self) -> None:
+        """From now on, keep the hashes published and dropped until `pop_events()` takes them."""
+        self._stored, self._removed = [], []
+
+    def pop_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        """(hashes published, hashes dropped, whether the whole cache was reset first) since the last call."""
+        if self._stored is None:
+            return [], [], False
+        out = (self._stored, self._removed, self._cleared)
+        self._stored, self._removed, self._cleared = [], [], False
+        return out
 
     @property
     def num_usable_blocks(self) -> int:
@@ -177,6 +197,8 @@ class BlockPool:
                 continue  # same content already cached in another block; keep one copy
             block.block_hash = h
             table[h] = block
+            if self._stored is not None:
+                self._stored.append(h)
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take n free blocks (reusable, then untouched, then cached: see the module docstring)."""
@@ -208,6 +230,8 @@ class BlockPool:
 
     def _drop_hash(self, block: KVCacheBlock) -> None:
         del self.cached_block_hash_to_block[block.block_hash]
+        if self._removed is not None:
+            self._removed.append(block.block_hash)
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -266,4 +290,6 @@ class BlockPool:
             block.block_hash = None
             self._reusable.append(block)
         self.cached_block_hash_to_block.clear()
+        if self._stored is not None:
+            self._stored, self._removed, self._cleared = [], [], True
         return True

@@ -10,7 +10,7 @@ scrape always shows the core's latest report.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -44,23 +44,36 @@ def one_two_five_buckets(limit: int) -> list[float]:
 
 
 class _CoreStatsCollector(Collector):
-    """Gauges and counters read from the engine core's latest stats snapshot at scrape time."""
+    """Gauges and counters read from the engine core's latest stats snapshot at scrape time. With
+    data-parallel replicas (`by_engine`), one series per replica under vLLM's `engine` label."""
 
-    def __init__(self, model_name: str, latest: Callable[[], EngineCoreStats | None]) -> None:
+    def __init__(self, model_name: str, latest: Callable[[], EngineCoreStats | None],
+                 by_engine: Callable[[], dict[str, EngineCoreStats]] | None = None) -> None:
         self.model_name = model_name
         self.latest = latest
+        self.by_engine = by_engine
 
     def collect(self) -> Iterable:
-        s = self.latest() or EngineCoreStats()
-        labels = [self.model_name]
+        if self.by_engine is None:
+            yield from self._families(self.latest() or EngineCoreStats(), ["model_name"], [self.model_name])
+            return
+        merged: dict[str, Any] = {}
+        for engine, s in sorted(self.by_engine().items()):
+            for family in self._families(s, ["model_name", "engine"], [self.model_name, engine]):
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
 
+    def _families(self, s: EngineCoreStats, names: list[str], labels: list[str]) -> Iterable:
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
             g.add_metric(labels, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(PREFIX + name, doc, labels=names)
             c.add_metric(labels, value)
             return c
 
@@ -88,9 +101,9 @@ class _CoreStatsCollector(Collector):
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
-                                      labels=["model_name", "position"])
+                                      labels=names + ["position"])
         for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos):
-            per_pos.add_metric([self.model_name, str(pos)], n)
+            per_pos.add_metric(labels + [str(pos)], n)
         yield per_pos
 
     def describe(self) -> Iterable:
@@ -100,11 +113,12 @@ class _CoreStatsCollector(Collector):
 class ServerMetrics:
     """The server's metrics registry; `render()` is the /metrics body."""
 
-    def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None]) -> None:
+    def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None],
+                 stats_by_engine: Callable[[], dict[str, EngineCoreStats]] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg, labels = self.registry, ["model_name"]
-        self.registry.register(_CoreStatsCollector(model_name, latest_stats))
+        self.registry.register(_CoreStatsCollector(model_name, latest_stats, stats_by_engine))
         token_buckets = one_two_five_buckets(max(max_model_len, 1))
 
         def hist(name: str, doc: str, buckets) -> Histogram:

@@ -41,7 +41,8 @@ class Ops:
         self.config = config
         engine = state.engine
         max_len = engine.args.max_model_len or _DEFAULT_MAX_MODEL_LEN
-        self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats)
+        self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats,
+                                     getattr(engine, "stats_by_replica", None))
         self.tenant_usage = TenantUsage(self.metrics.registry, state.config.model_name)
         self.recent = RecentRequests()
         for sink in (self.tenant_usage, self.recent):
@@ -92,6 +93,14 @@ async def metrics(request: Request) -> Response:
 async def ready(request: Request) -> JSONResponse:
     """200 once the model is loaded and the server accepts work; 503 while starting, draining or dead."""
     state = get_state(request)
+    replicas = getattr(state.engine, "replica_status", None)
+    if replicas is not None:  # data-parallel: which replicas serve
+        listed = replicas()
+        up = sum(1 for r in listed if r["status"] == "up")
+        if state.status == "ready" and up:
+            return JSONResponse({"status": "ready", "replicas_up": up, "replicas": listed})
+        err = unavailable(f"not ready: {state.status}, {up} replica(s) up")
+        return JSONResponse({**err.body(), "replicas": listed}, status_code=503)
     if state.status == "ready" and not state.engine.is_dead:
         return JSONResponse({"status": "ready"})
     retry = 1 if state.status == "starting" else None
@@ -103,13 +112,21 @@ async def load(request: Request) -> dict:
     """In-flight work, for autoscalers: requests the server holds, and the engine's latest counts."""
     state = get_state(request)
     engine = state.engine
-    s = engine.latest_stats
+    out = {"server_load": engine.num_inflight_requests(), **_load_of(engine.latest_stats), "status": state.status}
+    by_replica = getattr(engine, "stats_by_replica", None)
+    if by_replica is not None:  # data-parallel: each replica's, by its `engine` label; the above is their sum
+        loads = engine.replica_loads()
+        stats = by_replica()
+        out["replicas"] = [{**r, "server_load": loads.get(int(r["engine"]), 0), **_load_of(stats.get(r["engine"]))}
+                           for r in engine.replica_status()]
+    return out
+
+
+def _load_of(s) -> dict:
     return {
-        "server_load": engine.num_inflight_requests(),
         "num_requests_running": s.num_running if s else 0,
         "num_requests_waiting": s.num_waiting if s else 0,
         "kv_cache_usage_perc": s.kv_usage if s else 0.0,
-        "status": state.status,
     }
 
 

@@ -64,6 +64,7 @@ class Prepared:
         self.prompts = prompts
         self.priority = priority
         self.tenant = tenant
+        self.session: str | None = None  # routing key for data-parallel replicas (`user` or a header)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +94,15 @@ async def process_prompts(state: ServerState, prompts: list[Prompt], params: Sam
     return out
 
 
+SESSION_HEADER = "x-session-id"
+
+
+def session_key(headers: Any, user: str | None) -> str | None:
+    """What keeps a conversation on one replica under the `session` routing policy: the
+    `X-Session-Id` header, else the body's `user` field."""
+    return headers.get(SESSION_HEADER) or user or None
+
+
 def admit(state: ServerState, prep: Prepared) -> None:
     """Refuse (429) when the waiting queue is full or the tenant is out of prompt tokens."""
     bound = state.config.max_waiting_requests
@@ -119,7 +129,8 @@ async def start(state: ServerState, prep: Prepared, request_id: str) -> list[Req
     try:
         for i, prompt in enumerate(prep.prompts):
             rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await state.engine.add_request(prompt, prep.params, rid, prep.priority))
+            streams.append(await state.engine.add_request(prompt, prep.params, rid, prep.priority,
+                                                          session=prep.session))
             for listener in state.on_request_started:
                 try:
                     listener(rid, prep.tenant.name, len(prompt.prompt_token_ids))

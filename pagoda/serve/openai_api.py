@@ -22,7 +22,7 @@ from pagoda.engine.request_stream import RequestStream
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput
 from pagoda.serve.admission import (CHAT_FIELDS, COMPLETION_FIELDS, Prepared, admit, engine_error, invalid_request,
-                                    process_prompts, sampling_params, start)
+                                    process_prompts, sampling_params, session_key, start)
 from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, prompt_logprobs_json, sse, usage
 from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pagoda.serve.state import ServerState, get_state, get_tenant
@@ -43,6 +43,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = sampling_params(body, COMPLETION_FIELDS)
     prompts = await process_prompts(state, body.prompts(), params, COMPLETION_FIELDS, body.add_special_tokens)
     prep = Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
+    prep.session = session_key(request.headers, body.user)
     admit(state, prep)
     request_id = new_id("cmpl")
     streams = await start(state, prep, request_id)
@@ -214,6 +215,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise invalid_request(exc, CHAT_FIELDS) from None
     prompts = await process_prompts(state, [{"prompt_token_ids": ids}], params, CHAT_FIELDS)
     prep = Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
+    prep.session = session_key(request.headers, body.user)
     admit(state, prep)
     request_id = new_id("chatcmpl")
     streams = await start(state, prep, request_id)

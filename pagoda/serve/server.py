@@ -21,6 +21,7 @@ import uvicorn
 
 from pagoda.config import EngineArgs
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.replica_set import DataParallelLLM
 from pagoda.serve.app import build_app
 from pagoda.serve.state import ServerConfig, ServerState
 from pagoda.serve.tenants import TenantRegistry
@@ -41,11 +42,15 @@ def make_state(
     chat_template: str | None = None,
     log_level: str = "info",
     log_setup: Callable[[], None] | None = None,
+    routing_policy: str = "cache_aware",
 ) -> ServerState:
-    engine = AsyncLLM(
-        engine_args, chat_template=chat_template, request_timeout=config.request_timeout, log_level=log_level,
-        log_setup=log_setup,
-    )
+    """The state serving one engine, or `data_parallel_size` replicas routed by `routing_policy`."""
+    kwargs: dict[str, Any] = dict(chat_template=chat_template, request_timeout=config.request_timeout,
+                                  log_level=log_level, log_setup=log_setup)
+    if engine_args.data_parallel_size > 1:
+        engine: Any = DataParallelLLM(engine_args, routing_policy=routing_policy, **kwargs)
+    else:
+        engine = AsyncLLM(engine_args, **kwargs)
     return ServerState(config, engine, tenants)
 
 

@@ -16,6 +16,7 @@ from pagoda.contracts.messages import (
     EngineCoreReady,
     EngineCoreRequest,
     EngineCoreStats,
+    KVCacheEvents,
     UtilityRequest,
     UtilityResult,
     decoder,
@@ -190,12 +191,13 @@ def test_c9_every_message_round_trips_with_every_field_set():
     tl.finished(4.0, "length", 5)
     result = _all_fields_set(UtilityResult(3, result=[tl.to_dict(), running], error="none"))
     stats_result = UtilityResult(4, result=msgspec.structs.asdict(stats))
+    kv_events = _all_fields_set(KVCacheEvents(stored=[-(2**63), 5], removed=[2**63 - 1], cleared=True))
     outputs = _all_fields_set(EngineCoreOutputs(
         outputs=[out, EngineCoreOutput("r#2", [])], stats=stats, utility=result, ready=ready,
         rejected={"r#3": "too long"}, failed="boom", config_error="KV cache too small", timestamp=3.25,
-        iteration_tokens=[7, 1, 1],
+        iteration_tokens=[7, 1, 1], kv_events=kv_events,
     ))
-    for msg in (req, out, stats, ready, call, result, stats_result, outputs):
+    for msg in (req, out, stats, ready, call, result, stats_result, kv_events, outputs):
         assert decoder(type(msg)).decode(encode(msg)) == msg, type(msg).__name__
     # Defaults are omitted on the wire and come back as defaults.
     bare = EngineCoreRequest("b", [1], SamplingParams())

@@ -24,7 +24,7 @@ ENGINE_FLAGS = [
     "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching", "--enable-chunked-prefill",
     "--long-prefill-token-threshold", "--scheduling-policy", "--kv-cache-memory", "--num-gpu-blocks-override",
     "--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size", "--pipeline-parallel-size", "--enable-expert-parallel",
-    "--distributed-executor-backend", "--max-logprobs", "--speculative-config",
+    "--data-parallel-size", "--distributed-executor-backend", "--max-logprobs", "--speculative-config",
     "--kv-offloading-size", "--kv-offloading-backend", "--kv-offloading-dir", "--preemption-mode",
 ]
 
@@ -32,8 +32,9 @@ ENGINE_FLAGS = [
 def test_parallel_flags_take_vllms_short_names():
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    ns = p.parse_args(["-tp", "2", "-pp", "3", "--distributed-executor-backend", "mp"])
+    ns = p.parse_args(["-tp", "2", "-pp", "3", "-dp", "4", "--distributed-executor-backend", "mp"])
     assert (ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.distributed_executor_backend) == (2, 3, "mp")
+    assert ns.data_parallel_size == 4
     assert p.parse_args([]).distributed_executor_backend is None
 
 
@@ -143,3 +144,28 @@ def test_nothing_else_imports_the_command_line():
                 assert not name.startswith("pagoda.entrypoints"), f"{rel} imports {name}"
                 if rel.startswith("pagoda/bench/"):
                     assert name != "pagoda", f"{rel} imports the pagoda facade"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router"], "no backend given"),
+    (["router", "--backend", "ftp://host:1"], "is not an http(s) URL"),
+    (["router", "--backend", "http://a:1", "--backend", "http://a:1/"], "a backend is given twice"),
+    (["router", "--backends-file", "/nonexistent/backends"], "cannot read --backends-file"),
+    (["router", "--backend", "http://a:1", "--health-interval", "0"], "health interval and timeout must be > 0"),
+])
+def test_router_refuses_bad_backends_in_one_line(argv, message, capsys):
+    from pagoda.entrypoints.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagoda: error: ") and message in err and "\n" not in err
+
+
+def test_router_reads_a_backends_file(tmp_path):
+    from pagoda.serve.router_backends import read_backends_file
+
+    f = tmp_path / "backends"
+    f.write_text("# the pool\nhttp://10.0.0.1:8000\n\nhttp://10.0.0.2:8000  # second\n")
+    assert read_backends_file(str(f)) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    ns = build_parser().parse_args(["serve", "-dp", "2", "--routing-policy", "session"])
+    assert (ns.data_parallel_size, ns.routing_policy) == (2, "session")

@@ -347,3 +347,19 @@ def test_tracing_refuses_an_endpoint_that_is_not_an_http_url(endpoint):
 
     with pytest.raises(ValueError, match="must be an http:// or https:// URL"):
         RequestTracer("tiny", endpoint=endpoint)
+
+
+def test_per_replica_core_metrics_carry_the_engine_label():
+    from pagoda.contracts.messages import EngineCoreStats
+    from pagoda.ops.metrics import ServerMetrics
+
+    stats = {"0": EngineCoreStats(num_running=2, prefix_cache_hits=16, spec_num_accepted_tokens_per_pos=[1]),
+             "1": EngineCoreStats(num_running=5, prefix_cache_hits=32)}
+    text = ServerMetrics("m", 512, lambda: None, lambda: stats).render().decode()
+    assert 'pagoda:num_requests_running{engine="0",model_name="m"} 2.0' in text
+    assert 'pagoda:num_requests_running{engine="1",model_name="m"} 5.0' in text
+    assert 'pagoda:prefix_cache_hits_total{engine="1",model_name="m"} 32.0' in text
+    assert 'pagoda:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 1.0' in text
+    assert text.count("# TYPE pagoda:num_requests_running gauge") == 1  # one family, a series per replica
+    single = ServerMetrics("m", 512, lambda: EngineCoreStats(num_running=3)).render().decode()
+    assert 'pagoda:num_requests_running{model_name="m"} 3.0' in single and "engine=" not in single
