@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from pagoda.config import EngineArgs
+from pagoda.version import __version__
 from pagoda.entrypoints.bench import add_bench_parser
 from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
 from pagoda.entrypoints.serve import add_serve_parser
@@ -46,6 +47,7 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine",
                                      formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pagoda {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_serve_parser(sub)

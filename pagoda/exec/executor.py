@@ -126,6 +126,7 @@ def make_distributed_executor(args: EngineArgs, backend: str, num_blocks: int, m
         num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, seed=args.seed, rank=0,
         world_size=world, tensor_parallel_size=args.tensor_parallel_size, init_method="", backend=backend, timeout_s=init_timeout_s(), parent_pid=0,
+        tokenizer=args.tokenizer,
     )
     if backend == "ray":
         from pagoda.exec.ray_executor import RayExecutor
