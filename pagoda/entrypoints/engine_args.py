@@ -78,9 +78,6 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-_size.__name__ = "size"  # argparse names the type in its message: "invalid size value: '4X'"
-
-
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per shared `EngineArgs` field (vLLM's names), in vLLM's groups."""
     hints = typing.get_type_hints(EngineArgs)
