@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from pagoda.progress import iterate as with_progress
 from pagoda.cpp_build import cpu_flags
 from pagoda.model import gguf_cache
 from pagoda.model.errors import ModelLoadError
@@ -144,8 +145,20 @@ def source_tensors(source: ModelSource, config: object, dtype: torch.dtype) -> I
     if source.is_gguf:
         from pagoda.model.gguf_file import gguf_tensors, open_gguf
 
-        return gguf_tensors(open_gguf(source.path), source.path, config, dtype)
-    return _safetensors_tensors(source.path, dtype)
+        reader = open_gguf(source.path)
+        return with_progress(gguf_tensors(reader, source.path, config, dtype), len(reader.tensors),
+                                f"converting {source.path.name} (once; cached afterwards)", "tensors")
+    total = _count_safetensors(source.path)
+    return with_progress(_safetensors_tensors(source.path, dtype), total, f"loading {source.name}", "tensors")
+
+
+def _count_safetensors(folder: Path) -> int | None:
+    from safetensors import safe_open
+
+    try:
+        return sum(len(safe_open(str(f), framework="pt").keys()) for f in _safetensors_files(folder))
+    except Exception:  # unreadable: _safetensors_tensors names the file when it gets there
+        return None
 
 
 def _safetensors_tensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
