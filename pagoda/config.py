@@ -25,7 +25,7 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Above this many requests in a step a CPU forward of B * (k + 1) tokens costs more than the drafts
 # save at ordinary acceptance rates: with k = 4, a batch of 4 costs 2.0x a plain decode step, a batch
-# of 8 2.7x, of 32 3.9x (docs/benchmarks.md, benchmarks/forward_cost.py).
+# of 8 2.7x, of 32 3.9x (docs/perf-notes.md, benchmarks/forward_cost.py).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
