@@ -106,9 +106,6 @@ def parse_size(value: "str | int") -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
-GENERATION_CONFIG_MODES = ("auto", "vllm")
-
-
 def _arg(default: object, help: str, **meta: object) -> object:
     """A field with its command-line help (and choices, or "cli": "subcommand") in its metadata."""
     return field(default=default, metadata={"help": help, **meta})

@@ -20,9 +20,9 @@ from pagoda.engine.input_processor import (
     make_core_requests,
     tokenize_prompt,
 )
-from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.generation_defaults import default_sampling_params
 from pagoda.engine.model_files import generation_defaults, load_front_tokenizer, pin_model
+from pagoda.engine.output_processor import OutputProcessor
 from pagoda.model.loader import LoadedModel
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
