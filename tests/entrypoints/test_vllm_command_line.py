@@ -57,6 +57,9 @@ def test_unsupported_vllm_flags_exit_2_with_one_line(argv, flag):
 
 
 def test_meaningless_flags_warn_once(capsys):
+    from pagoda.entrypoints.vllm_compat import _WarnIgnored
+
+    _WarnIgnored.warned.clear()  # once per process, and this process may have parsed them before
     ns = build_parser().parse_args(["serve", "--trust-remote-code", "--swap-space", "4", "--trust-remote-code"])
     err = capsys.readouterr().err.splitlines()
     assert sum("--trust-remote-code has no effect" in line for line in err) == 1
