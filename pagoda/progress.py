@@ -28,7 +28,8 @@ def _bars_on(file: IO[str]) -> bool:
         return False
 
 
-def iterate(items: Iterable[T], total: int | None, desc: str, unit: str = "it", file: IO[str] | None = None) -> Iterator[T]:
+def iterate(items: Iterable[T], total: int | None, desc: str, unit: str = "it",
+            file: IO[str] | None = None) -> Iterator[T]:
     """`items`, with a bar on a terminal, else one log line naming `desc` and the total."""
     file = file if file is not None else sys.stderr
     if not _bars_on(file):

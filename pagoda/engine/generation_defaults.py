@@ -27,7 +27,8 @@ def fill_unset(params: SamplingParams, defaults: GenerationDefaults, unset: Iter
     return params.clone(**changes) if changes else params
 
 
-def stop_ids_with_model_eos(params: SamplingParams, defaults: GenerationDefaults, eos_token_id: int | None) -> list[int]:
+def stop_ids_with_model_eos(params: SamplingParams, defaults: GenerationDefaults,
+                            eos_token_id: int | None) -> list[int]:
     """The stop token ids a request runs with: its own, plus the model's extra EOS ids."""
     if params.ignore_eos:
         return params.stop_token_ids

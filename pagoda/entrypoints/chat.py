@@ -34,6 +34,7 @@ def stream_local(engine: Any, prompt: Any, params: Any) -> Iterator[str]:
 
 
 def local_chat(ns: argparse.Namespace) -> Callable[[Messages], Iterator[str]]:
+    from pagoda.engine.input_processor import chat_prompt_ids
     from pagoda.engine.llm import LLM
 
     llm = LLM(ns.model, **engine_kwargs(ns))
@@ -42,7 +43,7 @@ def local_chat(ns: argparse.Namespace) -> Callable[[Messages], Iterator[str]]:
     params = sampling_params(ns, llm.get_default_sampling_params())
 
     def answer(messages: Messages) -> Iterator[str]:
-        ids = llm._apply_chat_template(llm.get_tokenizer(), messages, add_generation_prompt=True)
+        ids = chat_prompt_ids(llm.get_tokenizer(), messages, add_generation_prompt=True)
         return stream_local(llm.engine, {"prompt_token_ids": ids}, params)
 
     return answer
@@ -139,7 +140,8 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_default: int | Non
     s = p.add_argument_group("sampling (default: the model's generation_config.json, else greedy)")
     s.add_argument("--max-tokens", type=int, default=max_tokens_default, help="the most tokens per answer")
     s.add_argument("--temperature", type=float, default=None, help="0: greedy")
-    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens with this much probability")
+    s.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: the smallest set of tokens with this much probability")
     s.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (0 or -1: all)")
 
 

@@ -1,5 +1,5 @@
-"""The `pagoda` command: the top parser, `pagoda --version`, `pagoda generate`, and `main`, which runs a subcommand and
-turns a refused argument or model into one `pagoda: error:` line and exit code 2.
+"""The `pagoda` command: the top parser, `pagoda --version`, `pagoda generate`, and `main`, which runs
+a subcommand and turns a refused argument or model into one `pagoda: error:` line and exit code 2.
 
 `pagoda serve` lives in entrypoints/serve.py, `pagoda chat` in entrypoints/chat.py, `pagoda bench` in
 entrypoints/bench.py.
@@ -12,11 +12,11 @@ import sys
 from typing import Any
 
 from pagoda.config import EngineArgs
-from pagoda.version import __version__
 from pagoda.entrypoints.bench import add_bench_parser
 from pagoda.entrypoints.chat import add_chat_parser, add_sampling_flags, sampling_params, stream_local
 from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
 from pagoda.entrypoints.serve import add_serve_parser
+from pagoda.version import __version__
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -25,8 +25,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     llm = LLM(ns.model, **engine_kwargs(ns))
     params = sampling_params(ns, llm.get_default_sampling_params()).clone(seed=ns.sampling_seed)
     if ns.chat:
-        prompt = {"prompt_token_ids": llm._apply_chat_template(llm.get_tokenizer(), [{"role": "user", "content": ns.prompt}],
-                                                               add_generation_prompt=True)}
+        from pagoda.engine.input_processor import chat_prompt_ids
+
+        if not getattr(llm.get_tokenizer(), "chat_template", None):
+            raise ValueError("this model has no chat template")
+        messages = [{"role": "user", "content": ns.prompt}]
+        prompt = {"prompt_token_ids": chat_prompt_ids(llm.get_tokenizer(), messages, add_generation_prompt=True)}
     else:
         prompt = ns.prompt
     if ns.stream:

@@ -6,7 +6,8 @@ As vLLM, the file is read by transformers' `GenerationConfig` and only the value
 from transformers' defaults count (`to_diff_dict`): temperature, top_p, top_k, min_p,
 repetition_penalty, which a request's own values override, and eos_token_id, whose ids all end
 generation (beside the tokenizer's EOS) unless the request sets ignore_eos. (vLLM also takes
-max_new_tokens as a default max_tokens; Pagoda does not: a request's length stays its own.) Plain data: the front ends apply it (pagoda/engine/generation_defaults.py).
+max_new_tokens as a default max_tokens; Pagoda does not: a request's length stays its own.)
+Plain data: the front ends apply it (pagoda/engine/generation_defaults.py).
 """
 
 from __future__ import annotations
