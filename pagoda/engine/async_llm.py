@@ -67,8 +67,8 @@ class AsyncLLM:
         # spawned (and, in `pagoda serve`, before the HTTP server starts).
         args, self.source = pin_model(args)
         self.args = args
-        self.generation_defaults = generation_defaults(args, self.source)
         check_device_available(args.device)
+        self.generation_defaults = generation_defaults(args, self.source)
         self._tokenizer_arg = tokenizer
         self.chat_template = chat_template
         self.request_timeout = request_timeout

@@ -32,8 +32,9 @@ def load_front_tokenizer(args: EngineArgs, source: ModelSource) -> Any:
 
 def generation_defaults(args: EngineArgs, source: ModelSource) -> GenerationDefaults:
     defaults = load_generation_defaults(source, args.generation_config)
-    if defaults.where is not None and (defaults.sampling or defaults.eos_token_ids):
-        logger.info("sampling defaults from %s: %s%s", defaults.where,
-                    ", ".join(f"{k}={v}" for k, v in defaults.sampling.items()) or "none",
-                    f"; extra EOS ids {list(defaults.eos_token_ids)}" if defaults.eos_token_ids else "")
+    # Said once at start (as vLLM does): a request's sampling then differs from SamplingParams' defaults.
+    if defaults.sampling:
+        logger.info("sampling defaults from %s (--generation-config vllm: none): %s%s", defaults.where,
+                    ", ".join(f"{k}={v}" for k, v in defaults.sampling.items()),
+                    f"; EOS ids {list(defaults.eos_token_ids)}" if defaults.eos_token_ids else "")
     return defaults
