@@ -6,7 +6,7 @@
 #   PEERS="llamacpp" RUNS=5 benchmarks/compare_cpu.sh
 #   benchmarks/compare_cpu.sh --install               # install/build the peers only, run nothing
 #
-# Workload (docs/benchmarks.md, CPU-offline): SmolLM2-135M-Instruct, 64 requests, prompt lengths
+# Workload (docs/perf-notes.md, CPU-offline): SmolLM2-135M-Instruct, 64 requests, prompt lengths
 # uniform in [32, 512] (seed 0, random token ids), 128 output tokens each, greedy, EOS ignored.
 # Pagoda runs it offline (`pagoda bench throughput`); every server (pagoda serve, vLLM, llama.cpp) is
 # sent the very same 64 token-id prompts at once (`pagoda bench serve`, concurrency 64). Each row is
@@ -42,7 +42,7 @@
 # `--quantization`: `QUANTIZATION=gguf PEERS="pagoda-serve-gguf llamacpp" SERVE_PEERS=none
 # benchmarks/compare_cpu.sh` puts Pagoda on the Q4_1 blocks beside llama.cpp on the same file.
 #
-# CPU-serve (docs/benchmarks.md): SERVE_PEERS (default "pagoda-serve vllm"; "none" to skip) are each
+# CPU-serve (docs/perf-notes.md): SERVE_PEERS (default "pagoda-serve vllm"; "none" to skip) are each
 # started once and sent 128 requests at 4 requests/s (Poisson), prompts in [32, 512], 128 output
 # tokens, RUNS times with seeds 0, 1, 2, ... (a new seed per run, so that no run hits the prefix cache
 # that an earlier one filled); the table gives medians of the per-run p50 TTFT and ITL.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The standard CPU workloads of docs/benchmarks.md, side by side with transformers, in one go.
+# The standard CPU workloads of docs/perf-notes.md, side by side with transformers, in one go.
 #
 #   benchmarks/run_cpu_suite.sh            # CPU-offline fp32 + bf16, CPU-prefix; CPU-serve if `pagoda serve` exists
 #   RUNS=5 SERVE=0 benchmarks/run_cpu_suite.sh

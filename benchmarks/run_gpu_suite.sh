@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU-offline (docs/benchmarks.md): a random-weight Qwen3-0.6B-shaped model in bf16, 256 requests,
+# GPU-offline (docs/perf-notes.md): a random-weight Qwen3-0.6B-shaped model in bf16, 256 requests,
 # prompts uniform in [100, 1024] (seed 0), 256 output tokens, EOS ignored, side by side with
 # transformers. Run on the GPU machine; results go to benchmarks/results/gpu-offline.{json,log}.
 #

@@ -29,7 +29,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Above this many requests in a step a CPU forward of B * (k + 1) tokens costs more than the drafts
 # save at ordinary acceptance rates: with k = 4, a batch of 4 costs 2.0x a plain decode step, a batch
-# of 8 2.7x, of 32 3.9x (docs/benchmarks.md, benchmarks/forward_cost.py).
+# of 8 2.7x, of 32 3.9x (docs/perf-notes.md, benchmarks/forward_cost.py).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
@@ -94,6 +94,22 @@ class SpeculativeConfig:
         return cls(method, k, model, lo, hi, gate)
 
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(?:i?[bB])?\s*")
+# vLLM's human-readable sizes: lower-case suffixes are powers of 1000, upper-case ones of 1024 ("4G" = 4 GiB).
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(value: "str | int") -> int:
+    """Bytes from an integer or vLLM's size text: "4G" (GiB), "512M" (MiB), "1.5g" (10^9), "4096"."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(f"not a size: {value!r} (give bytes, or a number with K, M, G or T, e.g. 4G)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
 def _arg(default: object, help: str, **meta: object) -> object:
     """A field with its command-line help (and choices, or "cli": "subcommand") in its metadata."""
     return field(default=default, metadata={"help": help, **meta})
@@ -101,7 +117,17 @@ def _arg(default: object, help: str, **meta: object) -> object:
 
 @dataclass
 class EngineArgs:
-    model: str | None = _arg(None, "HF folder, .gguf file or SmolLM2-135M-Instruct (default)", cli="subcommand")
+    model: str | None = _arg(
+        None, "HF folder, .gguf file, a Hugging Face id in the local HF cache, or SmolLM2-135M-Instruct (default)",
+        cli="subcommand",
+    )
+    revision: str | None = _arg(None, "the model's branch, tag or commit in the local HF cache; default: main")
+    tokenizer: str | None = _arg(None, "tokenizer folder or Hugging Face id; default: the model's")
+    generation_config: str = _arg(
+        "auto",
+        "sampling defaults: auto: the model's generation_config.json; vllm: none (vLLM's own); "
+        "or a folder holding a generation_config.json",
+    )
     dtype: str = _arg("auto", "model weights and activations dtype; auto: the model's", choices=DTYPES)
     kv_cache_dtype: str = _arg(
         "auto",
@@ -130,9 +156,9 @@ class EngineArgs:
     )
     kv_cache_memory: int | None = _arg(
         None,
-        "bytes for the KV cache; default: on CUDA what the profile leaves, on the CPU VLLM_CPU_KVCACHE_SPACE "
+        "bytes for the KV cache (4G, 512M, or a number); default: on CUDA what the profile leaves, on the CPU VLLM_CPU_KVCACHE_SPACE "
         "(GiB) or up to 2 GiB, less for short models or small machines",
-        aliases=("--kv-cache-memory-bytes",),
+        aliases=("--kv-cache-memory-bytes",), cli="size",
     )
     num_gpu_blocks_override: int | None = _arg(None, "exact number of KV blocks (wins over memory sizing)")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory the engine may use (KV cache sizing)")
@@ -174,6 +200,10 @@ class EngineArgs:
         "the second KV tier (--kv-offloading-size) and come back", choices=PREEMPTION_MODES)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be auto, vllm or a folder, got {self.generation_config!r}")
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

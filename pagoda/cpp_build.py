@@ -17,9 +17,12 @@ import logging
 import os
 import platform
 import re
+from contextlib import nullcontext
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+
+from pagoda.progress import activity
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +87,22 @@ def build_cpu_extension(stem: str, source: Path, what: str) -> ModuleType | None
     if os.environ.get("PAGODA_NO_CPP") == "1":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         # The build folder is named after the extension, and its ninja file records the source's
         # path: one name per checkout, source version and CPU, or two of them rebuild each other's.
-        return load(
-            name=f"{stem}_{build_key(source)}",
-            sources=[str(source)],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(SHARED_INCLUDE)],
-            verbose=False,
-        )
+        name = f"{stem}_{build_key(source)}"
+        built = (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+        # A first build compiles for tens of seconds: say so (a bar on a terminal, else a log line).
+        with nullcontext() if built else activity(f"building {what} for this CPU", expected_s=60):
+            return load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(SHARED_INCLUDE)],
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no headers: the torch path still works
         logger.warning("%s unavailable (%s); using the PyTorch path", what, exc)
         return None

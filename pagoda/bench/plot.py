@@ -17,6 +17,15 @@ def _cdf(ax: Any, values: list[float], label: str) -> None:
     ax.step(xs, ys, where="post", label=f"{label} (p50 {xs[(len(xs) - 1) // 2]:.3g})")
 
 
+def check_plotting_available() -> None:
+    """ValueError (one line for the command) when matplotlib, the `pagoda[bench]` extra, is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib, which is not installed: pip install 'pagoda[bench]' "
+                         "(or pip install matplotlib)")
+
+
 def plot_serve(
     results: list["RequestResult"], metrics: dict[str, Any], timeline: dict[str, Any], cfg: "ServeConfig", model: str, path: str
 ) -> None:

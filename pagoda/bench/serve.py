@@ -210,6 +210,10 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
     check_output_path(ns.json, "--json")
     check_output_path(ns.plot, "--plot")
+    if ns.plot:
+        from pagoda.bench.plot import check_plotting_available
+
+        check_plotting_available()  # before the run, not after it
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     if ns.output_len < 1 or ns.num_prompts < 1:

@@ -61,13 +61,14 @@ class AsyncLLM:
         log_level: str = "info",
         log_setup: Callable[[], None] | None = None,
     ) -> None:
-        from pagoda.model.loader import resolve_model
+        from pagoda.engine.model_files import generation_defaults, pin_model
 
-        self.args = args
         # Resolve now: a bad model name or a missing device fails here, before any process is
         # spawned (and, in `pagoda serve`, before the HTTP server starts).
-        self.source = resolve_model(args.model)
+        args, self.source = pin_model(args)
+        self.args = args
         check_device_available(args.device)
+        self.generation_defaults = generation_defaults(args, self.source)
         self._tokenizer_arg = tokenizer
         self.chat_template = chat_template
         self.request_timeout = request_timeout
@@ -103,12 +104,12 @@ class AsyncLLM:
 
         Raises EngineConfigError for arguments the core cannot start with, EngineDeadError when it
         dies or fails otherwise while loading."""
-        from pagoda.model.loader import load_tokenizer
+        from pagoda.engine.model_files import load_front_tokenizer
 
         self.client.start()  # first: the core loads the model while this process loads the tokenizer
         limit_torch_threads()
         if self._tokenizer_arg == "auto":
-            tok_future = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.source))
+            tok_future = asyncio.ensure_future(asyncio.to_thread(load_front_tokenizer, self.args, self.source))
         else:
             tok_future = asyncio.ensure_future(asyncio.sleep(0, self._tokenizer_arg))
         try:
@@ -308,7 +309,7 @@ class AsyncLLM:
             for cid in state.child_ids:
                 self._child_to_parent[cid] = request_id
             for req in make_core_requests(state.child_ids, prompt_ids, params, self.eos_token_id, priority,
-                                          time.time()):
+                                          time.time(), self.generation_defaults):
                 self.client.send(EngineCoreRequestType.ADD, encode(req))
                 sent += 1
         except EngineDeadError as exc:

@@ -35,6 +35,7 @@ from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.kv.manager import KVCacheManager
 from pagoda.kv.working_set import WorkingSetTrimmer
 from pagoda.model.loader import LoadedModel, describe_model, load_model, load_tokenizer
+from pagoda.model.model_source import tokenizer_source
 from pagoda.sched.config import SchedulerConfig
 from pagoda.sched.request import Request, RequestStatus
 from pagoda.sched.scheduler import Scheduler
@@ -143,7 +144,8 @@ class EngineCore:
 
     def _tokenizer_and_eos(self) -> tuple[Any, int | None]:
         # In-process (LLMEngine) the front end's tokenizer, which may be one it was given.
-        tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(self.loaded.source)
+        tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(
+            tokenizer_source(self.loaded.source, self.args.tokenizer))
         return tokenizer, eos_token_id_of(tokenizer, self.loaded.config)
 
     def _kv_cache_dtype(self) -> torch.dtype:

@@ -19,6 +19,7 @@ from typing import Any
 
 from pagoda.contracts.messages import EngineCoreRequest
 from pagoda.engine.errors import ChatTemplateArgumentError, InvalidRequestError
+from pagoda.engine.generation_defaults import GenerationDefaults, stop_ids_with_model_eos
 from pagoda.exec.structured_output import check_structured_outputs
 from pagoda.sampling_params import SamplingParams
 
@@ -319,11 +320,17 @@ def make_core_requests(
     eos_token_id: int | None,
     priority: int,
     arrival_time: float,
+    generation: GenerationDefaults | None = None,
 ) -> list[EngineCoreRequest]:
     """One core request per sequence of an n > 1 request: child i samples with seed + i (else the
-    children would sample alike), and children after the first share the first one's prompt blocks."""
+    children would sample alike), and children after the first share the first one's prompt blocks.
+    The model's extra EOS ids (`generation`) join the stop token ids."""
     n = len(child_ids)
     reqs = []
+    if generation is not None and generation.eos_token_ids:
+        stops = stop_ids_with_model_eos(params, generation, eos_token_id)
+        if stops != params.stop_token_ids:
+            params = params.clone(stop_token_ids=stops)
     for i, cid in enumerate(child_ids):
         child_params = params
         if n > 1:

@@ -8,6 +8,7 @@ from typing import Iterable, Sequence
 from tqdm import tqdm
 
 from pagoda.config import EngineArgs
+from pagoda.engine.generation_defaults import default_sampling_params
 from pagoda.engine.input_processor import chat_prompt_ids
 from pagoda.engine.llm_engine import LLMEngine, Prompt
 from pagoda.outputs import RequestOutput
@@ -27,6 +28,11 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while requests hold blocks."""
         return self.engine.core.kv_manager.reset_prefix_cache()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` samples with: SamplingParams' defaults, but the model's
+        generation_config.json values where it has them (`generation_config="vllm"`: none)."""
+        return default_sampling_params(self.engine.generation_defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -48,7 +54,7 @@ class LLM:
             )
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):

@@ -20,8 +20,10 @@ from pagoda.engine.input_processor import (
     make_core_requests,
     tokenize_prompt,
 )
+from pagoda.engine.generation_defaults import default_sampling_params
+from pagoda.engine.model_files import generation_defaults, load_front_tokenizer, pin_model
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.model.loader import LoadedModel, load_tokenizer
+from pagoda.model.loader import LoadedModel
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -30,13 +32,17 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, tokenizer: Any = "auto") -> None:
         """`loaded` and `tokenizer` reuse an already loaded model (tests build many engines on one);
         tokenizer=None runs on token ids alone."""
+        if loaded is None:
+            args, _ = pin_model(args)
         self.args = args
         if args.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 is for `pagoda serve` (one engine process per replica); "
                              "offline generation runs one engine")
         check_device_available(args.device)
         self.core = EngineCore(args, loaded)
-        self.tokenizer = load_tokenizer(self.core.loaded.source) if tokenizer == "auto" else tokenizer
+        source = self.core.loaded.source
+        self.tokenizer = load_front_tokenizer(args, source) if tokenizer == "auto" else tokenizer
+        self.generation_defaults = generation_defaults(args, source)
         self.core.tokenizer = self.tokenizer
         self.eos_token_id = eos_token_id_of(self.tokenizer, self.core.loaded.config)
         self.processor = OutputProcessor(self.tokenizer)
@@ -64,13 +70,14 @@ class LLMEngine:
         priority: int = 0,
         delta: bool = False,
     ) -> str:
-        params = SamplingParams() if params is None else params
+        params = default_sampling_params(self.generation_defaults) if params is None else params
         processed = self.inputs.process(prompt, params)
         prompt_ids = processed.prompt_token_ids
         request_id = request_id if request_id is not None else str(next(self._ids))
         child_ids = self.processor.add_request(request_id, processed.text, prompt_ids, params, self.eos_token_id,
                                                delta)
-        for req in make_core_requests(child_ids, prompt_ids, params, self.eos_token_id, priority, time.time()):
+        for req in make_core_requests(child_ids, prompt_ids, params, self.eos_token_id, priority, time.time(),
+                                      self.generation_defaults):
             self.core.add_request(req)
         return request_id
 

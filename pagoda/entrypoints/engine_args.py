@@ -5,8 +5,9 @@ choices, and a type taken from the annotation (`int`, `float`, `str`, or one of 
 a `bool` becomes `--name / --no-name` (argparse.BooleanOptionalAction), so `--enforce-eager` and
 `--no-enable-prefix-caching` read as vLLM's. Fields marked `"cli": "subcommand"` (`model`,
 `served_model_name`) are declared by the subcommands themselves; `"cli": "json"` fields
-(`--speculative-config`) take JSON text, which `EngineArgs` parses. `engine_kwargs` reads the same
-fields back from the parsed namespace.
+(`--speculative-config`) take JSON text, which `EngineArgs` parses; `"cli": "size"` fields take
+`4G`/`512M` as vLLM's. `--help` groups the flags as vLLM's does (model, load, cache, parallel,
+scheduler, speculative); `engine_kwargs` reads the same fields back from the parsed namespace.
 """
 
 from __future__ import annotations
@@ -17,7 +18,20 @@ import types
 import typing
 from typing import Any
 
-from pagoda.config import EngineArgs
+from pagoda.config import EngineArgs, parse_size
+
+# The `--help` group of each field, vLLM's grouping; a field not named here goes to "engine".
+FLAG_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("revision", "tokenizer", "generation_config", "dtype", "seed", "max_model_len", "max_logprobs"),
+    "load and device": ("device", "enforce_eager"),
+    "cache": ("block_size", "kv_cache_dtype", "enable_prefix_caching", "kv_cache_memory", "num_gpu_blocks_override",
+              "gpu_memory_utilization"),
+    "parallel": ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"),
+    "scheduler": ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold",
+                  "scheduling_policy"),
+    "speculative decoding": ("speculative_config",),
+}
+_GROUP_OF = {name: group for group, names in FLAG_GROUPS.items() for name in names}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -57,13 +71,23 @@ def _value_type(annotation: Any) -> type:
     return annotation
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per shared `EngineArgs` field (vLLM's names)."""
+    """Add one flag per shared `EngineArgs` field (vLLM's names), in vLLM's groups."""
     hints = typing.get_type_hints(EngineArgs)
-    group = parser.add_argument_group("engine")
+    # An empty group prints nothing in --help.
+    groups = {title: parser.add_argument_group(title) for title in (*FLAG_GROUPS, "engine")}
     for f in engine_flag_fields():
+        group = groups[_GROUP_OF.get(f.name, "engine")]
+        cli = f.metadata.get("cli")
         # A JSON flag's text is parsed by EngineArgs itself, which names what is wrong in one line.
-        kind = str if f.metadata.get("cli") == "json" else _value_type(hints[f.name])
+        kind = str if cli == "json" else _size if cli == "size" else _value_type(hints[f.name])
         help_text = f.metadata.get("help")
         if help_text is None:
             raise TypeError(f"EngineArgs.{f.name} has no help text in its metadata")

@@ -16,6 +16,7 @@ from typing import Any
 from pagoda.config import EngineArgs
 from pagoda.engine.routing import ROUTING_POLICIES
 from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
+from pagoda.entrypoints.vllm_compat import add_vllm_compat_args
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -25,6 +26,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...).",
         formatter_class=HelpFormatter,
     )
+    p._optionals.title = "frontend (the HTTP server)"  # vLLM's --help title for the flags added to `p` itself
     p.add_argument("model", nargs="?", default=EngineArgs.model, help=field_help("model"))
     p.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag (as vLLM accepts)")
     p.add_argument("--host", default=os.environ.get("PAGODA_HOST", "0.0.0.0"), help="address to listen on")
@@ -64,6 +66,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "session (the X-Session-Id header, else the request's `user`)")
     p.add_argument("--root-path", default="", help="ASGI root path when behind a path-based proxy")
     add_engine_args(p)
+    add_vllm_compat_args(p)
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -81,7 +84,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     model = ns.model_flag or ns.model
     if ns.model_flag and ns.model and ns.model_flag != ns.model:
         raise ValueError(f"two different models given: {ns.model!r} and --model {ns.model_flag!r}")
-    source = resolve_model(model)  # a bad model fails here, before anything starts
+    source = resolve_model(model, ns.revision)  # a bad model fails here, before anything starts
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be >= 0")
     if ns.request_timeout is not None and ns.request_timeout <= 0:

@@ -4,12 +4,12 @@ into oneDNN's blocked layout (vLLM's CPU backend packs its linears the same way)
 Measured on 2 AVX2 cores, SmolLM2 in fp32, against torch's default F.linear (MKL): the LM head with
 64 rows takes 27 ms instead of 55; a decode step of ~60 sequences ~200 instead of ~250-300 ms, and
 a step of decodes plus a few hundred prefill tokens ~20 % less; a pure 2,048-token prefill step is
-~5 % slower (one-off A/B scripts, 2026-11-30; docs/benchmarks.md).
+~5 % slower (one-off A/B scripts, 2026-11-30; docs/perf-notes.md).
 
 bfloat16 is packed too where the CPU has native bf16 instructions (AVX512-BF16 or AMX, where
 `dtype=auto` picks bf16). On a 2-core AVX512-BF16 EPYC, SmolLM2's shapes, packed against F.linear:
 1.6-1.9x as fast for one row, 1.14-1.26x for 64 rows, 1.04x for 512, with bitwise identical results
-(both are oneDNN's bf16 GEMM accumulating in float32; docs/benchmarks.md). Without native bf16
+(both are oneDNN's bf16 GEMM accumulating in float32; docs/perf-notes.md). Without native bf16
 oneDNN emulates it, so there bf16 keeps F.linear. PAGODA_NO_ONEDNN=1 turns every packing off.
 
 oneDNN builds (JIT-compiles and caches) one primitive per input shape. A server's steps come in

@@ -8,7 +8,7 @@ SmolLM2 in fp32) takes ~250 ms, and glibc handing a step's large activations bac
 each layer, to fault them in again, cost ~80,000 more faults per 2,048-token step. Transparent huge
 pages fault 512 times less often, but each fault may have to compact memory first: here that made
 the same write take anywhere from 15 to 900 ms, and residency grew in 2 MiB steps per layer (peak
-RSS 30-130 MiB higher in A/B runs). docs/benchmarks.md, "Page faults", has the measurements.
+RSS 30-130 MiB higher in A/B runs). docs/perf-notes.md, "Page faults", has the measurements.
 """
 
 from __future__ import annotations

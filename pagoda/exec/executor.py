@@ -143,6 +143,7 @@ def make_distributed_executor(args: EngineArgs, backend: str, num_blocks: int, m
         max_model_len=max_model_len, enforce_eager=args.enforce_eager, seed=args.seed, rank=0,
         world_size=world, tensor_parallel_size=args.tensor_parallel_size, init_method="", backend=backend, timeout_s=init_timeout_s(), parent_pid=0,
         enable_expert_parallel=args.enable_expert_parallel,
+        tokenizer=args.tokenizer,
     )
     if backend == "ray":
         from pagoda.exec.ray_executor import RayExecutor

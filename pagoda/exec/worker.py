@@ -55,6 +55,7 @@ class WorkerInit:
     timeout_s: float
     parent_pid: int
     enable_expert_parallel: bool = False  # MoE layers: whole experts per rank (TPGroup.expert_parallel)
+    tokenizer: str | None = None  # --tokenizer; None: the model's
 
 
 class Worker:
@@ -99,6 +100,7 @@ class Worker:
         from pagoda.exec.paged_attention import PagedKVCache
         from pagoda.exec.structured_output import StructuredOutputs
         from pagoda.model.loader import load_tokenizer
+        from pagoda.model.model_source import tokenizer_source
         from pagoda.model.shard_loader import load_model_shard
 
         init = self.init
@@ -111,7 +113,7 @@ class Worker:
                                 attn.head_dim, getattr(torch, init.kv_cache_dtype), device)
 
         def tokenizer_and_eos():
-            tokenizer = load_tokenizer(loaded.source)
+            tokenizer = load_tokenizer(tokenizer_source(loaded.source, init.tokenizer))
             eos = getattr(tokenizer, "eos_token_id", None)
             if eos is None:
                 eos = getattr(cfg, "eos_token_id", None)

