@@ -9,6 +9,7 @@ at another port without editing the Makefile), else 0.0.0.0:8000 as vLLM.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from typing import Any
@@ -55,8 +56,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="export a trace per request (queue, prefill, decode spans) to this OTLP/HTTP URL, "
                         "e.g. http://localhost:4318/v1/traces")
+    p.add_argument("--metrics-prefix", default="pagoda", choices=["pagoda", "vllm"],
+                   help="the prefix of /metrics names; vllm: vLLM's names, so its dashboards and alerts work unchanged")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting (0: stop at once)")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        p.add_argument(f"--allowed-{name}", nargs="+", default=["*"], metavar=name[:-1].upper(),
+                       help=f"CORS: the {what} browsers may use, separated by spaces or as a JSON list (vLLM's form)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and Authorization headers")
     p.add_argument("--root-path", default="", help="ASGI root path when behind a path-based proxy")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -96,6 +103,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         served_model_names=names,
         max_waiting_requests=ns.max_waiting_requests,
         request_timeout=ns.request_timeout,
+        allowed_origins=_cors_list("--allowed-origins", ns.allowed_origins),
+        allowed_methods=_cors_list("--allowed-methods", ns.allowed_methods),
+        allowed_headers=_cors_list("--allowed-headers", ns.allowed_headers),
+        allow_credentials=ns.allow_credentials,
     )
     state = make_state(
         engine_args, config, tenants, chat_template=chat_template, log_level=ns.log_level,
@@ -106,6 +117,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         log_requests=ns.enable_log_requests,
         log_stats_interval=0.0 if ns.disable_log_stats else ns.log_stats_interval,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
+        metrics_prefix=ns.metrics_prefix,
     ))
     logging.getLogger("pagoda.serve").info(
         "serving %s (%s) on http://%s:%d%s", names[0], source.path, ns.host, ns.port,
@@ -120,6 +132,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         # model): end as the checks above do, with one line and exit code 2 (pagoda.entrypoints.cli.main).
         raise ValueError(state.startup_error)
     return code
+
+
+def _cors_list(flag: str, values: list[str]) -> list[str]:
+    """A CORS flag's values: words, or vLLM's one JSON list (`'["http://a", "http://b"]'`)."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            parsed = json.loads(values[0])
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag}: not a JSON list ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError(f"{flag}: the JSON must be a list of strings, got {values[0]}")
+        return parsed
+    return list(values)
 
 
 def _env_keys() -> list[str] | None:

@@ -1,4 +1,6 @@
-"""Prometheus metrics with vLLM's names under the prefix `pagoda:`, labelled with the model name.
+"""Prometheus metrics with vLLM's names under the prefix `pagoda:` (or `vllm:`, `--metrics-prefix
+vllm`, so that vLLM's dashboards and alerts work unchanged), labelled as vLLM's: the model name and
+the engine's index (`engine`, "0" for the one engine core).
 
 Everything is recorded in the API process, which is correct across the two processes without
 prometheus_client's multiprocess mode: the engine core sends a stats snapshot (running, waiting,
@@ -19,7 +21,8 @@ from prometheus_client.registry import Collector
 from pagoda.contracts.messages import EngineCoreStats
 from pagoda.ops.request_events import FinishedRequest
 
-PREFIX = "pagoda:"
+METRICS_PREFIXES = ("pagoda", "vllm")
+LABELS = ["model_name", "engine"]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -46,21 +49,24 @@ def one_two_five_buckets(limit: int) -> list[float]:
 class _CoreStatsCollector(Collector):
     """Gauges and counters read from the engine core's latest stats snapshot at scrape time."""
 
-    def __init__(self, model_name: str, latest: Callable[[], EngineCoreStats | None]) -> None:
+    def __init__(self, model_name: str, latest: Callable[[], EngineCoreStats | None], prefix: str, engine: str) -> None:
         self.model_name = model_name
         self.latest = latest
+        self.prefix = prefix
+        self.engine = engine
 
     def collect(self) -> Iterable:
         s = self.latest() or EngineCoreStats()
-        labels = [self.model_name]
+        labels = [self.model_name, self.engine]
+        prefix = self.prefix
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(prefix + name, doc, labels=LABELS)
             g.add_metric(labels, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(prefix + name, doc, labels=LABELS)
             c.add_metric(labels, value)
             return c
 
@@ -74,11 +80,11 @@ class _CoreStatsCollector(Collector):
                       s.spec_num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
-        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        per_pos = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
-                                      labels=["model_name", "position"])
+                                      labels=[*LABELS, "position"])
         for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos):
-            per_pos.add_metric([self.model_name, str(pos)], n)
+            per_pos.add_metric([*labels, str(pos)], n)
         yield per_pos
 
     def describe(self) -> Iterable:
@@ -88,29 +94,35 @@ class _CoreStatsCollector(Collector):
 class ServerMetrics:
     """The server's metrics registry; `render()` is the /metrics body."""
 
-    def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None]) -> None:
+    def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None],
+                 prefix: str = "pagoda", engine: str = "0") -> None:
+        """`prefix`: one of METRICS_PREFIXES; `engine`: the engine core's index, vLLM's `engine` label."""
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
+        prefix += ":"
         self.model_name = model_name
+        self.engine = engine
         self.registry = CollectorRegistry()
-        reg, labels = self.registry, ["model_name"]
-        self.registry.register(_CoreStatsCollector(model_name, latest_stats))
+        reg, labels = self.registry, LABELS
+        self.registry.register(_CoreStatsCollector(model_name, latest_stats, prefix, engine))
         token_buckets = one_two_five_buckets(max(max_model_len, 1))
 
         def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=reg).labels(model_name, engine)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+            return Counter(prefix + name, doc, labels, registry=reg).labels(model_name, engine)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced output.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._success = Counter(
-            PREFIX + "request_success", "Requests ended, by finish reason (stop, length, abort).",
-            ["model_name", "finished_reason"], registry=reg,
+            prefix + "request_success", "Requests ended, by finish reason (stop, length, abort).",
+            [*LABELS, "finished_reason"], registry=reg,
         )
         # Every reason's series exists from the start (at 0, as vLLM does), so that the first
         # request to end with a reason shows in rate()/increase() instead of creating the series.
         for reason in FINISH_REASONS:
-            self._success.labels(model_name, reason)
+            self._success.labels(model_name, engine, reason)
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive outputs of a sequence.", _ITL_BUCKETS)
         self.tpot = hist(
@@ -154,7 +166,7 @@ class ServerMetrics:
             self.iteration_tokens.observe(n)
 
     def on_finished(self, r: FinishedRequest) -> None:
-        self._success.labels(self.model_name, r.finish_reason).inc()
+        self._success.labels(self.model_name, self.engine, r.finish_reason).inc()
         self.e2e.observe(r.e2e_latency)
         self.prompt_len.observe(r.num_prompt_tokens)
         self.generation_len.observe(r.num_generation_tokens)
@@ -173,7 +185,7 @@ class ServerMetrics:
             self.inference.observe(r.inference_time)
 
     def on_aborted(self, request_id: str) -> None:
-        self._success.labels(self.model_name, "abort").inc()
+        self._success.labels(self.model_name, self.engine, "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,7 @@ class OpsConfig:
     log_requests: bool = False  # one INFO line per finished request (else DEBUG)
     log_stats_interval: float = 10.0  # seconds between status lines; 0 turns them off
     otlp_traces_endpoint: str | None = None
+    metrics_prefix: str = "pagoda"  # or "vllm": vLLM's metric names, for its dashboards and alerts
 
 
 class Ops:
@@ -37,7 +38,8 @@ class Ops:
         self.config = config
         engine = state.engine
         max_len = engine.args.max_model_len or _DEFAULT_MAX_MODEL_LEN
-        self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats)
+        self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats,
+                                     prefix=config.metrics_prefix)
         sinks: list = [self.metrics, RequestLogger(config.log_requests)]
         self.tracer = None
         if config.otlp_traces_endpoint:
