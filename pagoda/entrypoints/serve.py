@@ -44,6 +44,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds after which a request is aborted (504); default: none")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model may call the tools, parsed by --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="the model family's tool-call syntax: hermes (Hermes, Qwen2.5, Qwen3), llama3_json "
+                        "(Llama 3.1-3.3), mistral (Mistral v3 tokenizers)")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="put the model's <think> text into reasoning_content instead of content")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the least severe log lines shown")
     p.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -76,6 +83,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from pagoda.ops.logs import LogSetup, configure_logging
     from pagoda.ops.server_ops import OpsConfig, install_ops
     from pagoda.serve.app import ServerConfig, build_app
+    from pagoda.serve.chat_output import ChatParsers
     from pagoda.serve.server import make_state, run_server
     from pagoda.serve.tenants import build_registry
 
@@ -98,6 +106,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read API keys: {exc}") from None
     chat_template = _read_template(ns.chat_template)
+    parsers = ChatParsers.from_names(ns.reasoning_parser, ns.tool_call_parser, ns.enable_auto_tool_choice)
     engine_args = EngineArgs.from_kwargs(model=model, served_model_name=names[0], **engine_kwargs(ns))
     config = ServerConfig(
         served_model_names=names,
@@ -107,6 +116,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         allowed_methods=_cors_list("--allowed-methods", ns.allowed_methods),
         allowed_headers=_cors_list("--allowed-headers", ns.allowed_headers),
         allow_credentials=ns.allow_credentials,
+        chat_parsers=parsers,
     )
     state = make_state(
         engine_args, config, tenants, chat_template=chat_template, log_level=ns.log_level,

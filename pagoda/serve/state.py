@@ -22,6 +22,7 @@ from fastapi import Request
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.errors import EngineConfigError
+from pagoda.serve.chat_output import ChatParsers
 from pagoda.serve.errors import APIError, unavailable
 from pagoda.serve.tenants import ANONYMOUS, Tenant, TenantRegistry
 
@@ -46,6 +47,7 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # reasoning, tool_choice "auto"
 
     @property
     def model_name(self) -> str:
