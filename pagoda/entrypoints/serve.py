@@ -16,6 +16,8 @@ from typing import Any
 
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
+from pagoda.serve.reasoning_parsers import REASONING_PARSERS
+from pagoda.serve.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -46,10 +48,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": the model may call the tools, parsed by --tool-call-parser')
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model family's tool-call syntax: hermes (Hermes, Qwen2.5, Qwen3), llama3_json "
                         "(Llama 3.1-3.3), mistral (Mistral v3 tokenizers)")
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="put the model's <think> text into reasoning_content instead of content")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the least severe log lines shown")

@@ -8,12 +8,14 @@ Streamed and whole answers are compared; reasoning goes to `reasoning_content`."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
 
 from tests.serve.scripted_models import ASSISTANT, EOS, save_scripted_model
-from tests.serve.serve_helpers import ServerProcess
+from tests.serve.serve_helpers import REPO, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -139,3 +141,14 @@ def test_tools_the_grammar_engine_cannot_compile_are_a_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     # The server still answers others.
     assert _chat(server, tools=TOOLS).status_code == 200
+
+
+def test_auto_tool_choice_without_a_parser_exits_2_with_one_line(tmp_path):
+    save_scripted_model(tmp_path, {ASSISTANT: EOS})
+    for extra, message in ((["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+                           (["--tool-call-parser", "pythonic"], "invalid choice: 'pythonic'")):
+        r = subprocess.run([sys.executable, "-m", "pagoda", "serve", str(tmp_path), *extra], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and message in lines[-1], r.stderr
+        assert "Traceback" not in r.stderr
