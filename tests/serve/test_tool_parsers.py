@@ -165,3 +165,15 @@ def test_parser_flags_are_checked():
     with pytest.raises(ValueError, match="unknown tool-call parser 'pythonic'; known: hermes, llama3_json, mistral"):
         ChatParsers.from_names(None, "pythonic", True)
     assert ChatParsers.from_names(None, "hermes", False).tools is None  # a parser alone does not enable auto
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_grammar_with_a_real_bpe_vocabulary(name, smollm2_tokenizer):
+    """SmolLM2's vocabulary merges characters (` {"`, `":`, ...) and has none of the markers as tokens:
+    the triggers are then text, matched across token boundaries."""
+    import llguidance.hf
+
+    llg = llguidance.hf.from_tokenizer(smollm2_tokenizer)
+    grammar = get_tool_parser(name).grammar(FUNCTIONS, Vocabulary(smollm2_tokenizer))
+    assert _accepts(llg, smollm2_tokenizer, grammar, CALLS[name])
+    assert not _accepts(llg, smollm2_tokenizer, grammar, CALLS[name].replace('"Paris"', '"Oslo"'))
