@@ -223,7 +223,7 @@ class MistralParser(ToolParser):
         items = [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
                   "properties": {"name": {"const": name}, "arguments": params}} for name, params in functions.items()]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        return [("[TOOL_CALLS]", f"%json {_schema(schema)}")]
+        return [("[TOOL_CALLS]", f'" "? %json {_schema(schema)}')]  # sentencepiece models like a space first
 
     def region(self, text: str, final: bool) -> tuple[list[ParsedCall], bool]:
         body = text[len("[TOOL_CALLS]"):].lstrip()
