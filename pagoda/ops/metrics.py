@@ -125,6 +125,8 @@ class ServerMetrics:
             self._success.labels(model_name, engine, reason)
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive outputs of a sequence.", _ITL_BUCKETS)
+        # vLLM's older name of the same observations, which its Grafana dashboard still reads.
+        self.tpot_old = hist("time_per_output_token_seconds", "Deprecated: inter_token_latency_seconds.", _ITL_BUCKETS)
         self.tpot = hist(
             "request_time_per_output_token_seconds", "Per request: decode time / (output tokens - 1), per sequence.",
             _ITL_BUCKETS,
@@ -143,6 +145,9 @@ class ServerMetrics:
                                    token_buckets)
         self.max_tokens = hist("request_params_max_tokens", "The max_tokens parameter of finished requests.",
                                token_buckets)
+        self.params_n = hist("request_params_n", "The n parameter of finished requests.", (1, 2, 5, 10, 20))
+        self.max_generation = hist("request_max_num_generation_tokens",
+                                   "The most tokens one sequence of a finished request generated.", token_buckets)
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens scheduled per engine step.",
                                      one_two_five_buckets(16384))
         # Plain running totals for the periodic status line (reading Counter values back is clumsy).
@@ -160,6 +165,7 @@ class ServerMetrics:
         self.total_generation_tokens += num_tokens
         if since_previous is not None:
             self.itl.observe(since_previous)
+            self.tpot_old.observe(since_previous)
 
     def on_iteration_tokens(self, counts: list[int]) -> None:
         for n in counts:
@@ -172,6 +178,9 @@ class ServerMetrics:
         self.generation_len.observe(r.num_generation_tokens)
         if r.max_tokens is not None:
             self.max_tokens.observe(r.max_tokens)
+        self.params_n.observe(r.num_sequences)
+        if r.max_sequence_tokens is not None:
+            self.max_generation.observe(r.max_sequence_tokens)
         if r.queue_time is not None:
             self.queue.observe(r.queue_time)
         if r.prefill_time is not None:

@@ -72,11 +72,22 @@ def test_vllm_prefix_gives_vllms_names_and_labels_exactly():
     assert names == {n.replace("pagoda:", "vllm:") for n in EXPECTED_NAMES} | {
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
         "vllm:spec_decode_num_accepted_tokens_per_pos", "vllm:request_time_per_output_token_seconds",
-        "vllm:request_inference_time_seconds", "vllm:request_params_max_tokens",
+        "vllm:request_inference_time_seconds", "vllm:request_params_max_tokens", "vllm:request_params_n",
+        "vllm:request_max_num_generation_tokens", "vllm:time_per_output_token_seconds",
     }
+    # What vLLM's example Grafana dashboard (examples/online_serving/prometheus_grafana) reads.
+    assert {"vllm:e2e_request_latency_seconds", "vllm:generation_tokens", "vllm:prompt_tokens",
+            "vllm:time_per_output_token_seconds", "vllm:time_to_first_token_seconds", "vllm:num_requests_running",
+            "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens",
+            "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens", "vllm:request_params_n",
+            "vllm:request_success", "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+            "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"} <= names
     text = m.render().decode()
     assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0' in text
     assert 'vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0' in text
+    assert 'vllm:request_max_num_generation_tokens_sum{engine="0",model_name="tiny"} 3.0' in text
+    assert 'vllm:request_params_n_sum{engine="0",model_name="tiny"} 1.0' in text
+    assert 'vllm:time_per_output_token_seconds_count{engine="0",model_name="tiny"} 1.0' in text
 
 
 def test_default_prefix_is_pagoda_with_the_engine_label_and_others_are_refused():
