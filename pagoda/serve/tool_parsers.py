@@ -164,7 +164,7 @@ class HermesParser(ToolParser):
             calls.append(call)
             end = m.end()
         if final:
-            tail = self._open.match(text, end) if text.find("<tool_call>", end) >= 0 else None
+            tail = self._open.search(text, end)
             if tail is not None:  # closed by EOS rather than </tool_call>: a whole call is still a call
                 call = _json_call(tail.group(1), self.args_keys)
                 if call is None:  # cut short: the calls before it stand

@@ -107,6 +107,10 @@ def test_hermes_call_closed_by_eos_still_counts():
     parser = get_tool_parser("hermes")
     content, calls = parser.extract('<tool_call>\n{"name": "get_time", "arguments": {}}')
     assert content is None and [c.name for c in calls] == ["get_time"]
+    two = CALLS["hermes"].removesuffix("</tool_call>") + "\n"  # the second call closed by EOS
+    assert [c.name for c in parser.extract(two)[1]] == ["get_weather", "get_time"]
+    cut = CALLS["hermes"].removesuffix('{}}\n</tool_call>')  # the second cut short: the first stands
+    assert [c.name for c in parser.extract(cut)[1]] == ["get_weather"]
 
 
 REASONING_CASES = [
