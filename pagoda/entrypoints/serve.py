@@ -9,6 +9,7 @@ at another port without editing the Makefile), else 0.0.0.0:8000 as vLLM.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from typing import Any
@@ -17,6 +18,8 @@ from pagoda.config import EngineArgs
 from pagoda.engine.routing import ROUTING_POLICIES
 from pagoda.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs, field_help
 from pagoda.entrypoints.vllm_compat import add_vllm_compat_args
+from pagoda.serve.reasoning_parsers import REASONING_PARSERS
+from pagoda.serve.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -46,6 +49,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds after which a request is aborted (504); default: none")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model may call the tools, parsed by --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model family's tool-call syntax: hermes (Hermes, Qwen2.5, Qwen3), llama3_json "
+                        "(Llama 3.1-3.3), mistral (Mistral v3 tokenizers)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="put the model's <think> text into reasoning_content instead of content")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the least severe log lines shown")
     p.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -58,12 +68,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="export a trace per request (queue, prefill, decode spans) to this OTLP/HTTP URL, "
                         "e.g. http://localhost:4318/v1/traces")
+    p.add_argument("--metrics-prefix", default="pagoda", choices=["pagoda", "vllm"],
+                   help="the prefix of /metrics names; vllm: vLLM's names, so its dashboards and alerts work unchanged")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting (0: stop at once)")
     p.add_argument("--routing-policy", default="cache_aware", choices=ROUTING_POLICIES,
                    help="with --data-parallel-size > 1, which replica serves a request: the one holding the longest "
                         "prefix of its prompt (cache_aware), the least loaded, in turn (round_robin), or by "
                         "session (the X-Session-Id header, else the request's `user`)")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        p.add_argument(f"--allowed-{name}", nargs="+", default=["*"], metavar=name[:-1].upper(),
+                       help=f"CORS: the {what} browsers may use, separated by spaces or as a JSON list (vLLM's form)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and Authorization headers")
     p.add_argument("--root-path", default="", help="ASGI root path when behind a path-based proxy")
     add_engine_args(p)
     add_vllm_compat_args(p)
@@ -77,6 +93,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from pagoda.ops.logs import LogSetup, configure_logging
     from pagoda.ops.server_ops import OpsConfig, install_ops
     from pagoda.serve.app import ServerConfig, build_app
+    from pagoda.serve.chat_output import ChatParsers
     from pagoda.serve.server import make_state, run_server
     from pagoda.serve.tenants import build_registry
 
@@ -99,11 +116,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read API keys: {exc}") from None
     chat_template = _read_template(ns.chat_template)
+    parsers = ChatParsers.from_names(ns.reasoning_parser, ns.tool_call_parser, ns.enable_auto_tool_choice)
     engine_args = EngineArgs.from_kwargs(model=model, served_model_name=names[0], **engine_kwargs(ns))
     config = ServerConfig(
         served_model_names=names,
         max_waiting_requests=ns.max_waiting_requests,
         request_timeout=ns.request_timeout,
+        allowed_origins=_cors_list("--allowed-origins", ns.allowed_origins),
+        allowed_methods=_cors_list("--allowed-methods", ns.allowed_methods),
+        allowed_headers=_cors_list("--allowed-headers", ns.allowed_headers),
+        allow_credentials=ns.allow_credentials,
+        chat_parsers=parsers,
     )
     state = make_state(
         engine_args, config, tenants, chat_template=chat_template, log_level=ns.log_level,
@@ -114,6 +137,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         log_requests=ns.enable_log_requests,
         log_stats_interval=0.0 if ns.disable_log_stats else ns.log_stats_interval,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
+        metrics_prefix=ns.metrics_prefix,
     ))
     logging.getLogger("pagoda.serve").info(
         "serving %s (%s) on http://%s:%d%s", names[0], source.path, ns.host, ns.port,
@@ -128,6 +152,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         # model): end as the checks above do, with one line and exit code 2 (pagoda.entrypoints.cli.main).
         raise ValueError(state.startup_error)
     return code
+
+
+def _cors_list(flag: str, values: list[str]) -> list[str]:
+    """A CORS flag's values: words, or vLLM's one JSON list (`'["http://a", "http://b"]'`)."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            parsed = json.loads(values[0])
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag}: not a JSON list ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError(f"{flag}: the JSON must be a list of strings, got {values[0]}")
+        return parsed
+    return list(values)
 
 
 def _env_keys() -> list[str] | None:

@@ -1,4 +1,6 @@
-"""Prometheus metrics with vLLM's names under the prefix `pagoda:`, labelled with the model name.
+"""Prometheus metrics with vLLM's names under the prefix `pagoda:` (or `vllm:`, `--metrics-prefix
+vllm`, so that vLLM's dashboards and alerts work unchanged), labelled as vLLM's: the model name and
+the engine's index (`engine`, "0" for the one engine core).
 
 Everything is recorded in the API process, which is correct across the two processes without
 prometheus_client's multiprocess mode: the engine core sends a stats snapshot (running, waiting,
@@ -19,7 +21,8 @@ from prometheus_client.registry import Collector
 from pagoda.contracts.messages import EngineCoreStats
 from pagoda.ops.request_events import FinishedRequest
 
-PREFIX = "pagoda:"
+METRICS_PREFIXES = ("pagoda", "vllm")
+LABELS = ["model_name", "engine"]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -47,33 +50,37 @@ class _CoreStatsCollector(Collector):
     """Gauges and counters read from the engine core's latest stats snapshot at scrape time. With
     data-parallel replicas (`by_engine`), one series per replica under vLLM's `engine` label."""
 
-    def __init__(self, model_name: str, latest: Callable[[], EngineCoreStats | None],
+    def __init__(self, model_name: str, latest: Callable[[], EngineCoreStats | None], prefix: str, engine: str,
                  by_engine: Callable[[], dict[str, EngineCoreStats]] | None = None) -> None:
         self.model_name = model_name
         self.latest = latest
+        self.prefix = prefix
+        self.engine = engine
         self.by_engine = by_engine
 
     def collect(self) -> Iterable:
         if self.by_engine is None:
-            yield from self._families(self.latest() or EngineCoreStats(), ["model_name"], [self.model_name])
+            yield from self._families(self.latest() or EngineCoreStats(), [self.model_name, self.engine])
             return
         merged: dict[str, Any] = {}
         for engine, s in sorted(self.by_engine().items()):
-            for family in self._families(s, ["model_name", "engine"], [self.model_name, engine]):
+            for family in self._families(s, [self.model_name, engine]):
                 if family.name in merged:
                     merged[family.name].samples.extend(family.samples)
                 else:
                     merged[family.name] = family
         yield from merged.values()
 
-    def _families(self, s: EngineCoreStats, names: list[str], labels: list[str]) -> Iterable:
+    def _families(self, s: EngineCoreStats, labels: list[str]) -> Iterable:
+        prefix = self.prefix
+
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
+            g = GaugeMetricFamily(prefix + name, doc, labels=LABELS)
             g.add_metric(labels, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=names)
+            c = CounterMetricFamily(prefix + name, doc, labels=LABELS)
             c.add_metric(labels, value)
             return c
 
@@ -99,11 +106,11 @@ class _CoreStatsCollector(Collector):
                       s.spec_num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
-        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        per_pos = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
-                                      labels=names + ["position"])
+                                      labels=[*LABELS, "position"])
         for pos, n in enumerate(s.spec_num_accepted_tokens_per_pos):
-            per_pos.add_metric(labels + [str(pos)], n)
+            per_pos.add_metric([*labels, str(pos)], n)
         yield per_pos
 
     def describe(self) -> Iterable:
@@ -114,31 +121,40 @@ class ServerMetrics:
     """The server's metrics registry; `render()` is the /metrics body."""
 
     def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None],
-                 stats_by_engine: Callable[[], dict[str, EngineCoreStats]] | None = None) -> None:
+                 stats_by_engine: Callable[[], dict[str, EngineCoreStats]] | None = None,
+                 prefix: str = "pagoda", engine: str = "0") -> None:
+        """`stats_by_engine`: data-parallel replicas' stats by index (one series each); `prefix`: one of
+        METRICS_PREFIXES; `engine`: the engine core's index, vLLM's `engine` label."""
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
+        prefix += ":"
         self.model_name = model_name
+        self.engine = engine
         self.registry = CollectorRegistry()
-        reg, labels = self.registry, ["model_name"]
-        self.registry.register(_CoreStatsCollector(model_name, latest_stats, stats_by_engine))
+        reg, labels = self.registry, LABELS
+        self.registry.register(_CoreStatsCollector(model_name, latest_stats, prefix, engine, stats_by_engine))
         token_buckets = one_two_five_buckets(max(max_model_len, 1))
 
         def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=reg).labels(model_name, engine)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
+            return Counter(prefix + name, doc, labels, registry=reg).labels(model_name, engine)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced output.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._success = Counter(
-            PREFIX + "request_success", "Requests ended, by finish reason (stop, length, abort).",
-            ["model_name", "finished_reason"], registry=reg,
+            prefix + "request_success", "Requests ended, by finish reason (stop, length, abort).",
+            [*LABELS, "finished_reason"], registry=reg,
         )
         # Every reason's series exists from the start (at 0, as vLLM does), so that the first
         # request to end with a reason shows in rate()/increase() instead of creating the series.
         for reason in FINISH_REASONS:
-            self._success.labels(model_name, reason)
+            self._success.labels(model_name, engine, reason)
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive outputs of a sequence.", _ITL_BUCKETS)
+        # vLLM's older name of the same observations, which its Grafana dashboard still reads.
+        self.tpot_old = hist("time_per_output_token_seconds", "Deprecated: inter_token_latency_seconds.", _ITL_BUCKETS)
         self.tpot = hist(
             "request_time_per_output_token_seconds", "Per request: decode time / (output tokens - 1), per sequence.",
             _ITL_BUCKETS,
@@ -157,6 +173,9 @@ class ServerMetrics:
                                    token_buckets)
         self.max_tokens = hist("request_params_max_tokens", "The max_tokens parameter of finished requests.",
                                token_buckets)
+        self.params_n = hist("request_params_n", "The n parameter of finished requests.", (1, 2, 5, 10, 20))
+        self.max_generation = hist("request_max_num_generation_tokens",
+                                   "The most tokens one sequence of a finished request generated.", token_buckets)
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens scheduled per engine step.",
                                      one_two_five_buckets(16384))
         # Plain running totals for the periodic status line (reading Counter values back is clumsy).
@@ -174,18 +193,22 @@ class ServerMetrics:
         self.total_generation_tokens += num_tokens
         if since_previous is not None:
             self.itl.observe(since_previous)
+            self.tpot_old.observe(since_previous)
 
     def on_iteration_tokens(self, counts: list[int]) -> None:
         for n in counts:
             self.iteration_tokens.observe(n)
 
     def on_finished(self, r: FinishedRequest) -> None:
-        self._success.labels(self.model_name, r.finish_reason).inc()
+        self._success.labels(self.model_name, self.engine, r.finish_reason).inc()
         self.e2e.observe(r.e2e_latency)
         self.prompt_len.observe(r.num_prompt_tokens)
         self.generation_len.observe(r.num_generation_tokens)
         if r.max_tokens is not None:
             self.max_tokens.observe(r.max_tokens)
+        self.params_n.observe(r.num_sequences)
+        if r.max_sequence_tokens is not None:
+            self.max_generation.observe(r.max_sequence_tokens)
         if r.queue_time is not None:
             self.queue.observe(r.queue_time)
         if r.prefill_time is not None:
@@ -199,7 +222,7 @@ class ServerMetrics:
             self.inference.observe(r.inference_time)
 
     def on_aborted(self, request_id: str) -> None:
-        self._success.labels(self.model_name, "abort").inc()
+        self._success.labels(self.model_name, self.engine, "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

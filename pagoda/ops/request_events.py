@@ -37,6 +37,8 @@ class FinishedRequest:
     # (tokens - 1). None: derive them from the request's decode time and token count (n = 1).
     decode_seconds_per_sequence: float | None = None
     decode_steps_per_sequence: int | None = None
+    num_sequences: int = 1  # the request's n
+    max_sequence_tokens: int | None = None  # the most tokens one of its sequences generated
 
     @property
     def e2e_latency(self) -> float:
@@ -197,6 +199,8 @@ class RequestTracker:
                             q.last_token_time - q.first_token_time for q in live.seqs.values()
                         ),
                         decode_steps_per_sequence=sum(q.num_tokens - 1 for q in live.seqs.values()),
+                        num_sequences=max(len(res.outputs), 1),
+                        max_sequence_tokens=max((q.num_tokens for q in live.seqs.values()), default=0),
                     ),
                 )
 

@@ -31,6 +31,7 @@ class OpsConfig:
     log_requests: bool = False  # one INFO line per finished request (else DEBUG)
     log_stats_interval: float = 10.0  # seconds between status lines; 0 turns them off
     otlp_traces_endpoint: str | None = None
+    metrics_prefix: str = "pagoda"  # or "vllm": vLLM's metric names, for its dashboards and alerts
 
 
 class Ops:
@@ -42,7 +43,7 @@ class Ops:
         engine = state.engine
         max_len = engine.args.max_model_len or _DEFAULT_MAX_MODEL_LEN
         self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats,
-                                     getattr(engine, "stats_by_replica", None))
+                                     getattr(engine, "stats_by_replica", None), prefix=config.metrics_prefix)
         self.tenant_usage = TenantUsage(self.metrics.registry, state.config.model_name)
         self.recent = RecentRequests()
         for sink in (self.tenant_usage, self.recent):

@@ -7,7 +7,7 @@ It reaches the engine only through `pagoda.engine` (AsyncLLM, its errors and inp
 - `state`: `ServerConfig`, `ServerState` (status and lifecycle: starting, ready, draining, dead),
   `get_state` / `get_tenant`.
 - `middleware`: API-key auth and the requests-per-second limit.
-- `routes`: /health, /version, /v1/models, /tokenize, /detokenize, /v1/engine/stats, /reset_prefix_cache.
+- `routes`: /health, /ping, /version, /v1/models, /tokenize, /detokenize, /v1/engine/stats, /reset_prefix_cache.
 - `openai_api`: /v1/completions and /v1/chat/completions, whole and streamed.
 - `admission`: sampling params, prompt processing, the waiting-queue and token-budget checks, the
   engine requests, and engine errors as HTTP errors.
@@ -17,5 +17,8 @@ It reaches the engine only through `pagoda.engine` (AsyncLLM, its errors and inp
 - `errors`: OpenAI's error shape for every failure.
 - `tenants`: API keys, token buckets, tenant priorities.
 - `tool_calls`: tool_choice as structured outputs, and the generated JSON as tool_calls.
+- `tool_parsers`: tool_choice "auto": each family's call syntax as a grammar and as a parser.
+- `reasoning_parsers`: `<think>` text into reasoning_content.
+- `chat_output`: a chat choice's text split into reasoning, content and tool calls, whole or streamed.
 - `request_context`: the request id that log lines carry.
 """

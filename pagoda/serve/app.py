@@ -1,5 +1,5 @@
 """The FastAPI application: `build_app` puts together the server state, the error handlers, the
-auth / rate-limit middleware and the routers (`pagoda.serve.routes`: the small endpoints;
+auth / rate-limit middleware, CORS and the routers (`pagoda.serve.routes`: the small endpoints;
 `pagoda.serve.openai_api`: the generation endpoints), and runs the engine's lifecycle.
 
 Extending (the ops layer does this): `build_app()` returns a plain FastAPI app whose `app.state.server`
@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from pagoda.serve.errors import install_error_handlers
 from pagoda.serve.middleware import AuthMiddleware
@@ -61,4 +62,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(routes_router)
     app.include_router(openai_router)
     app.add_middleware(AuthMiddleware, state=state)
+    # Added last, so outermost: preflights and 401s carry the CORS headers too.
+    cfg = state.config
+    app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
+                       allow_headers=cfg.allowed_headers, allow_credentials=cfg.allow_credentials)
     return app

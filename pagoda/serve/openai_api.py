@@ -23,6 +23,7 @@ from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput
 from pagoda.serve.admission import (CHAT_FIELDS, COMPLETION_FIELDS, Prepared, admit, engine_error, invalid_request,
                                     process_prompts, sampling_params, session_key, start)
+from pagoda.serve.chat_output import ChatParsers, ChoiceStream, apply_auto_tools, whole_message
 from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, prompt_logprobs_json, sse, usage
 from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pagoda.serve.state import ServerState, get_state, get_tenant
@@ -204,14 +205,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_accepting()
     tenant = get_tenant(request)
     params = sampling_params(body, CHAT_FIELDS, state.engine.generation_defaults)
+    parsers = state.config.chat_parsers
     try:
+        if body.tool_call_mode == "auto":
+            apply_auto_tools(params, parsers.tools, body.tools, state.engine.tokenizer)
         ids = await state.engine.apply_chat_template_async(
             [m.to_template_dict() for m in body.messages],
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.template_kwargs(),
         )
-    except InvalidRequestError as exc:  # on messages or chat_template_kwargs
+    except InvalidRequestError as exc:  # on tool_choice, tools, messages or chat_template_kwargs
         raise invalid_request(exc, CHAT_FIELDS) from None
     prompts = await process_prompts(state, [{"prompt_token_ids": ids}], params, CHAT_FIELDS)
     prep = Prepared(model, params, prompts, tenant.effective_priority(body.priority), tenant)
@@ -221,26 +225,31 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     streams = await start(state, prep, request_id)
     headers = {"x-request-id": request_id}
     if body.stream:
-        return SSEResponse(_chat_events(body, prep, request_id, streams), headers={**SSE_HEADERS, **headers})
-    result = await run_cancellable(request, _chat_whole(body, prep, request_id, streams))
+        return SSEResponse(_chat_events(body, parsers, prep, request_id, streams), headers={**SSE_HEADERS, **headers})
+    result = await run_cancellable(request, _chat_whole(body, parsers, prep, request_id, streams))
     if isinstance(result, Response):
         return result
     return JSONResponse(result, headers=headers)
 
 
-def _assistant_message(body: ChatCompletionRequest, text: str, reason: str | None) -> tuple[dict, str | None]:
+def _assistant_message(body: ChatCompletionRequest, parsers: ChatParsers, text: str,
+                       reason: str | None) -> tuple[dict, str | None]:
     """The assistant message of a finished choice and its finish reason: with tool_choice named or
     "required", the generated JSON as tool_calls ("required" ends with finish_reason "tool_calls"; a
-    named function, as OpenAI's forced calls, with "stop")."""
+    named function, as OpenAI's forced calls, with "stop"); otherwise what the server's parsers make
+    of the text (calls of tool_choice "auto" end with "tool_calls", as vLLM's)."""
     mode = body.tool_call_mode
-    calls = parse_tool_calls(mode, body.tool_choice, text) if mode is not None and reason is not None else None
+    if not body.forced_tool_call:
+        message, called = whole_message(text, parsers, mode == "auto")
+        return message, "tool_calls" if called and reason is not None else reason
+    calls = parse_tool_calls(mode, body.tool_choice, text) if reason is not None else None
     if calls is None:
         return {"role": "assistant", "content": text}, reason
     return ({"role": "assistant", "content": "", "tool_calls": calls},
             "tool_calls" if mode == "required" and reason == "stop" else reason)
 
 
-async def _chat_whole(body: ChatCompletionRequest, prep: Prepared, request_id: str,
+async def _chat_whole(body: ChatCompletionRequest, parsers: ChatParsers, prep: Prepared, request_id: str,
                       streams: list[RequestStream]) -> dict:
     try:
         (final,) = await collect(streams)
@@ -253,7 +262,7 @@ async def _chat_whole(body: ChatCompletionRequest, prep: Prepared, request_id: s
     prep.tenant.charge_tokens(completion_tokens)
     choices = []
     for seq in final.outputs:
-        message, reason = _assistant_message(body, seq.text, seq.finish_reason)
+        message, reason = _assistant_message(body, parsers, seq.text, seq.finish_reason)
         choices.append({
             "index": seq.index,
             "message": message,
@@ -275,7 +284,7 @@ async def _chat_whole(body: ChatCompletionRequest, prep: Prepared, request_id: s
     return response
 
 
-async def _chat_events(body: ChatCompletionRequest, prep: Prepared, request_id: str,
+async def _chat_events(body: ChatCompletionRequest, parsers: ChatParsers, prep: Prepared, request_id: str,
                        streams: list[RequestStream]) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = body.include_usage
@@ -300,6 +309,8 @@ async def _chat_events(body: ChatCompletionRequest, prep: Prepared, request_id: 
         return sse(data)
 
     held: dict[int, tuple[list, list, list]] = {}  # tool calls: each choice's ids, logprobs and text so far
+    parsed = parsers.reasoning is not None or (parsers.tools is not None and body.tool_call_mode == "auto")
+    choice_streams = {i: ChoiceStream(parsers, body.tool_call_mode == "auto") for i in range(prep.params.n)}
     try:
         # OpenAI opens every choice with the assistant role before any content.
         for index in range(prep.params.n):
@@ -311,7 +322,7 @@ async def _chat_events(body: ChatCompletionRequest, prep: Prepared, request_id: 
                     continue
                 completion_tokens += len(seq.token_ids)
                 reason = seq.finish_reason
-                if body.tool_call_mode is not None:
+                if body.forced_tool_call:
                     # Tool calls go out whole, in one delta when the choice ends (OpenAI's clients
                     # join the deltas of a call by its index, so one delta is a valid stream).
                     held_ids, held_lps, held_text = held.setdefault(seq.index, ([], [], []))
@@ -321,19 +332,26 @@ async def _chat_events(body: ChatCompletionRequest, prep: Prepared, request_id: 
                     if reason is None:
                         continue
                     finished.add(seq.index)
-                    message, reason = _assistant_message(body, "".join(held_text), reason)
+                    message, reason = _assistant_message(body, parsers, "".join(held_text), reason)
                     message.pop("role")
                     if "tool_calls" in message:
                         message = {"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]}
                     logprobs = chat_logprobs(held_ids, held_lps, body.num_top_logprobs, body.return_tokens_as_token_ids) if body.logprobs else None
                     yield chunk(seq.index, message, logprobs, reason, seq.stop_reason)
                     continue
-                if not seq.text and reason is None and (not body.logprobs or not seq.token_ids):
+                if parsed:  # reasoning and auto tool calls split out of the text; some held back
+                    choice = choice_streams[seq.index]
+                    delta = choice.feed(seq.text)
+                    if reason is not None:
+                        delta = _merge_deltas(delta, choice.finish())
+                        reason = "tool_calls" if choice.called else reason
+                else:
+                    delta = {"content": seq.text} if seq.text or reason is None else {}
+                if not any(delta.values()) and reason is None and (not body.logprobs or not seq.token_ids):
                     continue
                 logprobs = chat_logprobs(seq.token_ids, seq.logprobs, body.num_top_logprobs, body.return_tokens_as_token_ids) if body.logprobs else None
                 if reason is not None:
                     finished.add(seq.index)
-                delta = {"content": seq.text} if seq.text or reason is None else {}
                 yield chunk(seq.index, delta, logprobs, reason, seq.stop_reason if reason is not None else None)
         if include_usage:
             yield usage_event(request_id, "chat.completion.chunk", created, prep, completion_tokens, cached)
@@ -345,3 +363,10 @@ async def _chat_events(body: ChatCompletionRequest, prep: Prepared, request_id: 
         for s in streams:
             s.close()
         prep.tenant.charge_tokens(completion_tokens)
+
+
+def _merge_deltas(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = out[key] + value if key in out else value  # text joins, tool-call lists concatenate
+    return out

@@ -342,14 +342,19 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def tool_call_mode(self) -> str | None:
-        """"named" or "required" when the answer is tool calls, else None."""
+        """"named" or "required" when the answer is tool calls, "auto" when the model may call them,
+        else None."""
         return self._tool_call[0] if self._tool_call is not None else None
+
+    @property
+    def forced_tool_call(self) -> bool:
+        return self.tool_call_mode in ("named", "required")
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self._sampling_params(max_tokens, logprobs)
-        if self._tool_call is not None:
+        if self.forced_tool_call:
             # The calls' JSON, enforced token by token (a named function: its parameters' schema).
             params.structured_outputs = _checked_structured_outputs("tools", {"json": self._tool_call[1]})
         return params

@@ -1,4 +1,4 @@
-"""The small endpoints: /health, /version, /v1/models, /tokenize, /detokenize, /v1/engine/stats and
+"""The small endpoints: /health (and /ping, its alias for SageMaker-style checks), /version, /v1/models, /tokenize, /detokenize, /v1/engine/stats and
 /reset_prefix_cache. The generation endpoints are in `pagoda.serve.openai_api`."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/ping")
+@router.post("/ping")
 async def health(request: Request) -> JSONResponse:
     state = get_state(request)
     if state.status in ("ready", "draining") and not state.engine.is_dead:

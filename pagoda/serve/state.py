@@ -22,6 +22,7 @@ from fastapi import Request
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.errors import EngineConfigError
+from pagoda.serve.chat_output import ChatParsers
 from pagoda.serve.errors import APIError, unavailable
 from pagoda.serve.tenants import ANONYMOUS, Tenant, TenantRegistry
 
@@ -41,6 +42,12 @@ class ServerConfig:
     dead_engine_exit_delay: float = 2.0  # seconds /health shows 503 before a dead-engine exit
     public_paths: set[str] = field(default_factory=lambda: set(DEFAULT_PUBLIC_PATHS))
     rate_limited_paths: set[str] = field(default_factory=lambda: set(RATE_LIMITED_PATHS))
+    # CORS, vLLM's defaults: any origin, method and header; no credentials.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    chat_parsers: ChatParsers = field(default_factory=ChatParsers)  # reasoning, tool_choice "auto"
 
     @property
     def model_name(self) -> str:

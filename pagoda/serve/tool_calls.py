@@ -3,8 +3,9 @@ structured outputs (the JSON schema of the function's parameters, or a list of c
 and the generated JSON turned into OpenAI's `tool_calls`.
 
 These need no model-specific parser: the output is JSON by construction. "auto" (the model decides,
-and its own call syntax must be parsed) is not supported; "none" generates text, the tools still
-reach the chat template so the model knows them.
+in its own call syntax) needs the server's tool-call parser (`pagoda.serve.tool_parsers`, applied by
+`pagoda.serve.chat_output`); "none" generates text, the tools still reach the chat template so the
+model knows them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class ToolChoiceError(InvalidRequestError):
     """The request's tools or tool_choice cannot be served (a 400 on the request field `field`)."""
 
 
-def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def functions_of(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """name -> parameters schema, checking each tool's shape."""
     out: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
@@ -36,21 +37,18 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def tool_call_schema(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> tuple[str, dict] | None:
-    """(mode, JSON schema to enforce) for a named function ("named") or "required", None when the
-    output is text ("none", or no tools)."""
+    """(mode, JSON schema to enforce) for a named function ("named") or "required"; ("auto", {}) for
+    "auto" (the default with tools), whose grammar the tool-call parser makes; None when the output
+    is text ("none", or no tools)."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise ToolChoiceError("tool_choice needs tools", "tool_choice")
         return None
-    functions = _functions(tools)
+    functions = functions_of(tools)
     if tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):
-        raise ToolChoiceError(
-            "tool_choice 'auto' (the default with tools) is not supported: this server has no tool-call parser; "
-            "use 'required', a named function ({'type': 'function', 'function': {'name': ...}}) or 'none'",
-            "tool_choice",
-        )
+        return "auto", {}
     if tool_choice == "required":
         calls = [
             {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],

@@ -52,7 +52,7 @@ def scrape(srv) -> dict[tuple[str, tuple], float]:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "le")))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine", "le")))
             if "le" in s.labels:
                 continue
             out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
