@@ -82,6 +82,7 @@ class DataParallelLLM:
         # process starts; they get the tokenizer, loaded once, at start().
         self.replicas = [Replica(i, self._new_engine(i)) for i in range(args.data_parallel_size)]
         self.source = self.replicas[0].engine.source
+        self.generation_defaults = self.replicas[0].engine.generation_defaults  # the same model's, for all
         self.output_listeners: list[Callable[[EngineCoreOutputs, list[RequestOutput]], None]] = []
         self.abort_listeners: list[Callable[[str], None]] = []
         self._dead_callbacks: list[Callable[[str], None]] = []
