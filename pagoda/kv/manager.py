@@ -64,6 +64,9 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each table are published (hashed) or were hits.
         self.num_cached_blocks: dict[str, int] = {}
+        # Requests whose blocks must never be published: their KV was computed by weights since
+        # replaced (flush_prefix_cache); the set empties as they free their blocks.
+        self.unpublishable: set[str] = set()
         self.prefix_cache_stats = PrefixCacheStats()
 
     # -- reporting ---------------------------------------------------------------------------
@@ -185,7 +188,7 @@ class KVCacheManager:
             num_computed_tokens = request.num_computed_tokens
         num_full = num_computed_tokens // self.block_size
         num_cached = self.num_cached_blocks.get(rid)
-        if num_cached is None or num_full <= num_cached:
+        if num_cached is None or num_full <= num_cached or rid in self.unpublishable:
             return
         self.bind(request)
         self.block_pool.cache_full_blocks(
@@ -223,6 +226,7 @@ class KVCacheManager:
         if blocks is None:
             return
         self.cache_blocks(request)
+        self.unpublishable.discard(rid)
         del self.req_to_blocks[rid]
         del self.req_to_block_ids[rid]
         del self.num_cached_blocks[rid]
@@ -231,3 +235,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False) while any block is in use."""
         return self.block_pool.reset_prefix_cache()
+
+    def flush_prefix_cache(self) -> None:
+        """Forget every hash, of blocks in use too, and never publish the blocks of the requests
+        holding blocks now: the weights changed under them, so no later request may hit their KV."""
+        self.block_pool.drop_all_hashes()
+        self.unpublishable.update(self.req_to_blocks)

@@ -85,14 +85,37 @@ class _CoreStatsCollector(Collector):
         return self.collect()
 
 
+class _WeightVersionCollector(Collector):
+    """pagoda:weight_version_info{weight_version=...} 1: the version served now, read at scrape time."""
+
+    def __init__(self, model_name: str, version: Callable[[], str]) -> None:
+        self.model_name = model_name
+        self.version = version
+
+    def collect(self) -> Iterable:
+        g = GaugeMetricFamily(PREFIX + "weight_version_info", "The weight version served (value 1).",
+                              labels=["model_name", "weight_version"])
+        g.add_metric([self.model_name, self.version() or ""], 1)
+        yield g
+
+    def describe(self) -> Iterable:
+        return self.collect()
+
+
 class ServerMetrics:
     """The server's metrics registry; `render()` is the /metrics body."""
 
-    def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None]) -> None:
+    def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None],
+                 weight_version: Callable[[], str] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg, labels = self.registry, ["model_name"]
         self.registry.register(_CoreStatsCollector(model_name, latest_stats))
+        if weight_version is not None:
+            self.registry.register(_WeightVersionCollector(model_name, weight_version))
+        self._by_version = Counter(PREFIX + "request_success_by_weight_version",
+                                   "Requests finished, by the weight version that produced them.",
+                                   ["model_name", "weight_version"], registry=reg)
         token_buckets = one_two_five_buckets(max(max_model_len, 1))
 
         def hist(name: str, doc: str, buckets) -> Histogram:
@@ -155,6 +178,7 @@ class ServerMetrics:
 
     def on_finished(self, r: FinishedRequest) -> None:
         self._success.labels(self.model_name, r.finish_reason).inc()
+        self._by_version.labels(self.model_name, r.weight_version or "").inc()
         self.e2e.observe(r.e2e_latency)
         self.prompt_len.observe(r.num_prompt_tokens)
         self.generation_len.observe(r.num_generation_tokens)

@@ -37,6 +37,7 @@ class FinishedRequest:
     # (tokens - 1). None: derive them from the request's decode time and token count (n = 1).
     decode_seconds_per_sequence: float | None = None
     decode_steps_per_sequence: int | None = None
+    weight_version: str | None = None  # the weights that produced it ("A+B": updated in place meanwhile)
 
     @property
     def e2e_latency(self) -> float:
@@ -194,6 +195,7 @@ class RequestTracker:
                             q.last_token_time - q.first_token_time for q in live.seqs.values()
                         ),
                         decode_steps_per_sequence=sum(q.num_tokens - 1 for q in live.seqs.values()),
+                        weight_version=res.weight_version,
                     ),
                 )
 
@@ -214,9 +216,10 @@ class RequestLogger(RequestSink):
         ttft = r.ttft
         logger.log(
             self.level,
-            "finished: reason=%s prompt_tokens=%d cached_tokens=%d generation_tokens=%d ttft=%s e2e=%.3fs",
+            "finished: reason=%s prompt_tokens=%d cached_tokens=%d generation_tokens=%d ttft=%s e2e=%.3fs "
+            "weight_version=%s",
             r.finish_reason, r.num_prompt_tokens, r.num_cached_tokens, r.num_generation_tokens,
-            "-" if ttft is None else f"{ttft:.3f}s", r.e2e_latency,
+            "-" if ttft is None else f"{ttft:.3f}s", r.e2e_latency, r.weight_version or "-",
             extra={"request_id": r.request_id},
         )
 

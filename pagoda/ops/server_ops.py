@@ -37,7 +37,8 @@ class Ops:
         self.config = config
         engine = state.engine
         max_len = engine.args.max_model_len or _DEFAULT_MAX_MODEL_LEN
-        self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats)
+        self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats,
+                                     lambda: engine.weight_version)
         sinks: list = [self.metrics, RequestLogger(config.log_requests)]
         self.tracer = None
         if config.otlp_traces_endpoint:

@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from pagoda.serve.errors import install_error_handlers
+from pagoda.serve.lifecycle_routes import router as lifecycle_router
 from pagoda.serve.middleware import AuthMiddleware
 from pagoda.serve.openai_api import router as openai_router
 from pagoda.serve.routes import router as routes_router
@@ -59,5 +60,6 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes_router)
     app.include_router(openai_router)
+    app.include_router(lifecycle_router)
     app.add_middleware(AuthMiddleware, state=state)
     return app

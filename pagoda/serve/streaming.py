@@ -110,6 +110,19 @@ async def run_cancellable(request: Request, work: Awaitable[Any]) -> Any:
     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 
+async def peek_weight_version(streams: list[RequestStream]) -> str | None:
+    """The weight version of the first stream's first output, for a streamed response's header
+    (sent before its body). An error before that output is raised as the response's HTTP error."""
+    from pagoda.serve.admission import engine_error
+
+    try:
+        return (await streams[0].peek()).weight_version
+    except Exception as exc:
+        for s in streams:
+            s.close()
+        raise engine_error(exc) from None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
