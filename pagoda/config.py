@@ -133,7 +133,6 @@ class EngineArgs:
         None, "how the ranks run: uni (this process, one rank), mp (a worker process per rank on this machine) "
         "or ray; default: uni for one rank, else mp", choices=EXECUTOR_BACKENDS,
     )
-    weight_version: str = _arg("default", "the version name of the weights loaded at start (POST /update_weights names later ones)")
     max_logprobs: int = _arg(20, "the most logprobs (and prompt logprobs) a request may ask for; -1: the vocabulary")
     # JSON on the command line, a dict (or SpeculativeConfig) from Python; a SpeculativeConfig after __post_init__.
     speculative_config: SpeculativeConfig | dict | str | None = _arg(
@@ -143,6 +142,7 @@ class EngineArgs:
         "disable_by_batch_size); default: off",
         cli="json",
     )
+    weight_version: str = _arg("default", "the version name of the weights loaded at start (POST /update_weights names later ones)")
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:

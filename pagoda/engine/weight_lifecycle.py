@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.exec.cpu_memory import trim_heap
@@ -38,9 +38,6 @@ from pagoda.exec.weight_tensors import (ParkedWeights, check_same_layout, copy_w
                                         prepare_like_runner, weight_slots, weight_tensors)
 from pagoda.model.errors import ModelLoadError
 from pagoda.model.loader import LoadedModel, load_model
-
-if TYPE_CHECKING:
-    from pagoda.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +76,8 @@ def refusal(exc: BaseException) -> dict:
 
 
 class WeightLifecycle:
-    def __init__(self, core: "EngineCore", version: str) -> None:
+    def __init__(self, core: Any, version: str) -> None:
+        """`core`: the EngineCore that owns this (not imported: it imports this module)."""
         self.core = core
         self.version = version
         self.loaded_at = time.time()

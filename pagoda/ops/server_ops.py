@@ -38,7 +38,7 @@ class Ops:
         engine = state.engine
         max_len = engine.args.max_model_len or _DEFAULT_MAX_MODEL_LEN
         self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats,
-                                     lambda: engine.weight_version)
+                                     lambda: getattr(engine, "weight_version", ""))
         sinks: list = [self.metrics, RequestLogger(config.log_requests)]
         self.tracer = None
         if config.otlp_traces_endpoint:
