@@ -189,8 +189,7 @@ class AsyncLLM(WeightLifecycleCalls):
         failed = {self._child_to_parent.get(o.request_id, ""): o.error for o in msg.outputs if o.error is not None}
         for parent, why in failed.items():
             state = self._requests.get(parent)
-            if state is not None:
-                state.finished = True  # gone from the core: nothing to abort
+            if state is not None:  # its stream's close aborts any sibling (n > 1) still in the core
                 state.queue.put_nowait(RequestAbortedError(why))
         if msg.outputs:
             self.weight_version = msg.weight_version or self.weight_version

@@ -214,16 +214,15 @@ class WeightLifecycle:
         core = self.core
         t0 = time.monotonic()
         new, fresh = u.loaded
-        copied = copy_weights(weight_tensors(core.runner.model, core.runner.compute_logits), fresh)
+        copied = copy_weights(weight_slots(core.runner.model, core.runner.compute_logits), fresh)
         core.kv_manager.flush_prefix_cache()
         previous = self.version
         self.version, self.loaded_at, self.model_path = u.version, time.time(), str(new.source.path)
         u.loaded = None
         del new, fresh
         self._update = None
-        if core.device.type == "cpu":
-            gc.collect()
-            trim_heap()
+        # The replacement's memory is freed with its last reference; what malloc keeps of it goes back
+        # at the core's next heap check (EngineCore.trim_kv_memory), not in this pause.
         swap_s = time.monotonic() - t0
         held, self._held = self._held, []
         for req in held:

@@ -108,7 +108,8 @@ class ModelPool:
         while sum(1 for m in self.members.values() if m.state != "unloaded") >= self.max_loaded:
             idle = [m for m in self.members.values() if m.state == "loaded" and m.inflight == 0 and m is not wanted]
             if idle:
-                self._stop(min(idle, key=lambda m: m.last_used))
+                # Off the event loop: other models' requests keep flowing while it exits.
+                await asyncio.to_thread(self._stop, min(idle, key=lambda m: m.last_used))
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
@@ -131,7 +132,7 @@ class ModelPool:
         try:
             await self._wait_healthy(m)
         except BaseException as exc:
-            self._stop(m)
+            await asyncio.to_thread(self._stop, m)
             m._starting = None
             if isinstance(exc, PoolError):
                 raise
