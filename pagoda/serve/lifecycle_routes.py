@@ -29,13 +29,14 @@ class UpdateWeightsRequest(BaseModel):
 
     model_path: str = Field(min_length=1)
     version: str | None = Field(default=None, min_length=1)
+    weight_version: str | None = Field(default=None, min_length=1)  # SGLang's name for `version`
     mode: str = "drain"
 
 
-def _refused(result: dict) -> APIError:
+def _refused(result: dict, param: str | None = None) -> APIError:
     if result.get("kind") == "conflict":
         return APIError(409, result["error"], type="invalid_request_error", code="conflict")
-    return bad_request(result["error"], param="mode" if result["error"].startswith("mode ") else "model_path")
+    return bad_request(result["error"], param=param)
 
 
 def _check_running(state: ServerState) -> None:
@@ -51,13 +52,15 @@ async def _call(state: ServerState, coro) -> dict:
 
 
 @router.post("/update_weights")
+@router.post("/update_weights_from_disk")  # SGLang's path
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     state = get_state(request)
     _check_running(state)
-    result = await _call(state, state.engine.update_weights(body.model_path, body.version, body.mode))
+    version = body.version or body.weight_version
+    result = await _call(state, state.engine.update_weights(body.model_path, version, body.mode))
     if "error" in result:
         logger.warning("weight update refused: %s", result["error"])
-        raise _refused(result)
+        raise _refused(result, "mode" if result["error"].startswith("mode ") else "model_path")
     return {"success": True, **result}
 
 

@@ -191,6 +191,12 @@ def test_bad_checkpoints_get_400_and_a_keeps_serving(server, ckpts, refs):
     assert r.status_code == 400  # no model_path
     for i in range(16):
         assert _complete(server, i) == (refs["A"][i], "A", "A")
+    # SGLang's path and field name do the same.
+    r = httpx.post(f"{server.url}/update_weights_from_disk", timeout=300,
+                   json={"model_path": str(ckpts / "A"), "weight_version": "A-again"})
+    assert r.status_code == 200 and r.json()["weight_version"] == "A-again"
+    assert _complete(server, 0) == (refs["A"][0], "A-again", "A-again")
+    assert _update(server, ckpts / "A", "A").status_code == 200
 
 
 def test_a_second_update_while_one_runs_is_a_409(server, ckpts, refs):
