@@ -198,6 +198,7 @@ class EngineArgs:
     preemption_mode: str = _arg(
         "recompute", "recompute: a preempted request's KV is computed again on resume; swap: its blocks go to "
         "the second KV tier (--kv-offloading-size) and come back", choices=PREEMPTION_MODES)
+    weight_version: str = _arg("default", "the version name of the weights loaded at start (POST /update_weights names later ones)")
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

@@ -38,3 +38,6 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # scores it), else that token's Logprob and the top-N alternatives. A delta stream sends it once.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # The weights that produced it: their version, or "A+B" when an in-place update swapped A for B
+    # while it ran. None where unknown.
+    weight_version: str | None = None

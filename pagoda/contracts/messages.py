@@ -34,6 +34,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # On the first output of a request that asked for prompt_logprobs: one row per prompt position
     # p >= 0, scoring prompt token p + 1: ([that token, top-1, ..., top-N], their logprobs, its rank).
     prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # The request ended in the core without finishing, for this reason (a weight update in "abort"
+    # mode): the front end fails its stream with this message.
+    error: str | None = None
 
 
 # -- between the API process and the engine-core process (pagoda.engine.core_proc) -------------------
@@ -106,6 +109,8 @@ class EngineCoreReady(msgspec.Struct, omit_defaults=True):
     device: str = ""
     eos_token_id: int | None = None  # from the model config; the tokenizer's EOS wins when it has one
     pid: int = 0
+    weight_version: str = ""
+    weights_loaded_at: float = 0.0
 
 
 class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -133,6 +138,7 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     timestamp: float = 0.0
     iteration_tokens: list[int] = []  # tokens scheduled in each step since the previous message
     kv_events: KVCacheEvents | None = None
+    weight_version: str = ""  # with outputs: the weights that computed them (swaps fall between steps)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Callable
 
 from pagoda.config import EngineArgs
 from pagoda.contracts.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequestType, EngineCoreStats, encode
+from pagoda.engine.async_lifecycle import WeightLifecycleCalls
 from pagoda.engine.core_client import CoreClient
 from pagoda.engine.devices import check_device_available, limit_torch_threads
 from pagoda.engine.errors import (EngineDeadError, EngineNotReadyError, InvalidRequestError, RequestAbortedError,
@@ -48,8 +49,9 @@ __all__ = ["AsyncLLM"]
 OutputListener = Callable[[EngineCoreOutputs, list[RequestOutput]], None]
 
 
-class AsyncLLM:
-    """Async engine front end. Create, then `await start()` (or `await AsyncLLM.create(args)`)."""
+class AsyncLLM(WeightLifecycleCalls):
+    """Async engine front end. Create, then `await start()` (or `await AsyncLLM.create(args)`);
+    weight updates and sleep come from `WeightLifecycleCalls`."""
 
     def __init__(
         self,
@@ -130,6 +132,7 @@ class AsyncLLM:
     def _on_ready(self, info: EngineCoreReady, tokenizer: Any) -> None:
         """Build what needs the core's facts (context, vocabulary, KV cache) and the tokenizer."""
         self.info = info
+        self.weight_version, self.weights_loaded_at = info.weight_version, info.weights_loaded_at
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id_of(tokenizer, info)
         self.processor = OutputProcessor(tokenizer)
@@ -183,8 +186,15 @@ class AsyncLLM:
             if state is not None:
                 state.queue.put_nowait(RequestRejectedError(why))
         results: list[RequestOutput] = []
+        # Ended in the core by a weight swap (mode abort): their streams fail with the reason.
+        failed = {self._child_to_parent.get(o.request_id, ""): o.error for o in msg.outputs if o.error is not None}
+        for parent, why in failed.items():
+            state = self._requests.get(parent)
+            if state is not None:  # its stream's close aborts any sibling (n > 1) still in the core
+                state.queue.put_nowait(RequestAbortedError(why))
         if msg.outputs:
-            results, stopped = self.processor.process(msg.outputs)
+            self.weight_version = msg.weight_version or self.weight_version
+            results, stopped = self.processor.process(msg.outputs, msg.weight_version)
             for out in msg.outputs:
                 if out.finish_reason is not None:
                     self._child_to_parent.pop(out.request_id, None)
@@ -194,7 +204,7 @@ class AsyncLLM:
                 self.client.send_or_mark_dead(EngineCoreRequestType.FINISH, encode(stopped))
             for result in results:
                 state = self._requests.get(result.request_id)
-                if state is None:
+                if state is None or result.request_id in failed:
                     continue
                 if result.finished:
                     state.finished = True

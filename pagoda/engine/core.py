@@ -25,6 +25,7 @@ from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, Engin
 from pagoda.contracts.step import SchedulerOutput
 from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
+from pagoda.engine.weight_lifecycle import WeightLifecycle
 from pagoda.exec.cpu_kv_sizing import cpu_kv_budget, max_cached_free_blocks
 from pagoda.exec.cpu_memory import heap_free_bytes, trim_heap
 from pagoda.exec.executor import Executor, UniExecutor, check_parallel_config, resolve_backend
@@ -141,6 +142,7 @@ class EngineCore:
         # it with every message (offline, nothing reads it, so it stays off).
         self.record_iteration_tokens = False
         self.iteration_tokens: list[int] = []
+        self.lifecycle = WeightLifecycle(self, args.weight_version)  # version, hot updates, sleep
 
     def _tokenizer_and_eos(self) -> tuple[Any, int | None]:
         # In-process (LLMEngine) the front end's tokenizer, which may be one it was given.
@@ -213,6 +215,8 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
+        if self.lifecycle.hold(req):  # arrived while a weight update drains: runs on the new weights
+            return
         extra = (req.cache_salt,) if req.cache_salt else ()
         request = Request(
             req.request_id,
@@ -286,6 +290,9 @@ class EngineCore:
             so = self.scheduler.schedule()
             result = self.executor.execute(so)
             self.scheduler.update(so, {}, result.kv_failed_saves)
+    def has_work(self) -> bool:
+        """Requests to step, held ones, or a weight update to finish."""
+        return self.has_unfinished_requests() or self.lifecycle.busy
 
     def _release_deferred(self) -> None:
         for leader in list(self._deferred):
@@ -298,10 +305,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self._deferred:
             self._release_deferred()
+        outputs = self.lifecycle.poll() if self.lifecycle.busy else []  # a weight swap falls between steps
         started = time.time()
         so = self.scheduler.schedule()
         if so.is_empty:
-            return []
+            return outputs
         self.timelines.record_step(so, self.scheduler.requests, started, tier_sources(self.kv_manager))
         result = self.executor.execute(so)
         if self.swap_meter is not None:
@@ -324,7 +332,6 @@ class EngineCore:
         ended = [r.request_id for r in changed if r.finish_reason is not None]
         if ended:
             self.executor.release(ended)
-        outputs = []
         timelines = self.timelines.live
         for request in changed:
             rid = request.request_id
@@ -393,7 +400,7 @@ class EngineCore:
         kv = self.kv_manager
         return EngineCoreStats(
             num_running=s.num_running,
-            num_waiting=s.num_waiting + sum(len(v) for v in self._deferred.values()),
+            num_waiting=s.num_waiting + sum(len(v) for v in self._deferred.values()) + self.lifecycle.num_held,
             kv_usage=s.kv_usage,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,

@@ -29,6 +29,7 @@ import zmq
 
 from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import eos_token_id_of
+from pagoda.engine.weight_lifecycle import WeightUpdateRefused, refusal
 from pagoda.contracts.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
@@ -75,6 +76,9 @@ class EngineCoreProc:
             # False while requests hold blocks (the KV manager refuses then).
             "reset_prefix_cache": lambda: bool(self.core.kv_manager.reset_prefix_cache()),
             "timeline": lambda request_id: self.core.timeline(request_id),
+            "weight_info": lambda: self.core.lifecycle.info(),
+            "sleep": lambda level=1: self.core.lifecycle.sleep(level),
+            "wake_up": lambda: self.core.lifecycle.wake_up(),
         }
 
     # -- setup ---------------------------------------------------------------------------------
@@ -103,6 +107,8 @@ class EngineCoreProc:
                     device=str(core.device),
                     eos_token_id=eos_token_id_of(None, core.loaded.config),
                     pid=os.getpid(),
+                    weight_version=core.lifecycle.version,
+                    weights_loaded_at=core.lifecycle.loaded_at,
                 ),
                 stats=self.stats(),
                 timestamp=time.time(),
@@ -138,11 +144,19 @@ class EngineCoreProc:
         elif kind == EngineCoreRequestType.UTILITY:
             call = self._decode_utility.decode(payload)
             fn = self.utilities.get(call.method)
-            if fn is None:
+            if call.method == "update_weights":  # answered once loaded and swapped (send_lifecycle_results)
+                try:
+                    core.lifecycle.begin_update(call.call_id, *call.args)
+                    return
+                except Exception as exc:
+                    result = UtilityResult(call.call_id, result=refusal(exc))
+            elif fn is None:
                 result = UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
             else:
                 try:
                     result = UtilityResult(call.call_id, result=fn(*call.args))
+                except WeightUpdateRefused as exc:  # sleep / wake: an answer, not a failure
+                    result = UtilityResult(call.call_id, result=refusal(exc))
                 except Exception as exc:
                     result = UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
             self._send(EngineCoreOutputs(utility=result, timestamp=time.time()))
@@ -169,7 +183,8 @@ class EngineCoreProc:
     def run(self) -> None:
         core = self.core
         while not self._shutdown:
-            if not core.has_unfinished_requests():
+            self._send_lifecycle_results()
+            if not core.has_work():
                 # Idle: let the front end see the final state (running 0, blocks free), then block.
                 self._send_stats_if_changed()
                 while not self.input.poll(_IDLE_POLL_MS):
@@ -180,7 +195,7 @@ class EngineCoreProc:
                         return
                     core.check_health()  # a worker that died while idle: fail now, not at the next request
             self._drain_inputs()
-            if self._shutdown or not core.has_unfinished_requests():
+            if self._shutdown or not core.has_work():
                 continue
             steps_before = core.num_steps
             outputs = core.step()
@@ -191,6 +206,7 @@ class EngineCoreProc:
                     EngineCoreOutputs(
                         outputs=outputs, stats=stats, timestamp=time.time(), iteration_tokens=core.pop_iteration_tokens(),
                         kv_events=core.pop_kv_events(),
+                        weight_version=core.lifecycle.version,
                     )
                 )
             elif core.num_steps == steps_before:
@@ -199,6 +215,15 @@ class EngineCoreProc:
                 self.input.poll(_STALLED_POLL_MS)
                 if not self._parent_alive():
                     return
+
+    def _send_lifecycle_results(self) -> None:
+        """Answers to weight updates that finished (swapped or refused), and held requests refused."""
+        lifecycle = self.core.lifecycle
+        for call_id, result in lifecycle.pop_results():
+            self._send(EngineCoreOutputs(utility=UtilityResult(call_id, result=result), timestamp=time.time()))
+        if lifecycle.rejected:
+            rejected, lifecycle.rejected = lifecycle.rejected, {}
+            self._send(EngineCoreOutputs(rejected=rejected, timestamp=time.time()))
 
     def _send_stats_if_changed(self) -> None:
         stats = self.stats()

@@ -11,6 +11,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.generation_defaults import default_sampling_params
 from pagoda.engine.input_processor import chat_prompt_ids
 from pagoda.engine.llm_engine import LLMEngine, Prompt
+from pagoda.engine.weight_lifecycle import WeightUpdateRefused
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -33,6 +34,30 @@ class LLM:
         """What `generate(prompts)` samples with: SamplingParams' defaults, but the model's
         generation_config.json values where it has them (`generation_config="vllm"`: none)."""
         return default_sampling_params(self.engine.generation_defaults)
+    def update_weights(self, model_path: str, version: str | None = None) -> dict:
+        """Serve the weights of another checkpoint of the same model (a Hugging Face folder or a .gguf
+        file) from now on; `version` names them (default: the checkpoint's file or folder name).
+        ValueError naming the problem when it does not load or does not fit; the weights served so
+        far are then unchanged. Returns what the swap did (versions, seconds)."""
+        try:
+            return self.engine.core.lifecycle.update_now(model_path, version)
+        except WeightUpdateRefused as exc:
+            raise ValueError(str(exc)) from None
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.core.lifecycle.version
+
+    def sleep(self, level: int = 1) -> dict:
+        """Give back the KV cache's memory (level 1) and the weights' too (level 2, kept in a mapped
+        file); generate() refuses until wake_up()."""
+        try:
+            return self.engine.core.lifecycle.sleep(level)
+        except WeightUpdateRefused as exc:
+            raise ValueError(str(exc)) from None
+
+    def wake_up(self) -> dict:
+        return self.engine.core.lifecycle.wake_up()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

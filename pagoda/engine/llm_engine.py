@@ -89,7 +89,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.core.step()
-        results, stopped = self.processor.process(outputs)
+        results, stopped = self.processor.process(outputs, self.core.lifecycle.version)
         if stopped:
             self.core.finish_requests(stopped)
         return results

@@ -47,6 +47,7 @@ class _Group:
     scheduled_time: float | None = None  # core clock: first admitted (the earliest of its sequences)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs carry them once
+    weight_versions: list[str] = field(default_factory=list)  # in the order they produced tokens
 
     @property
     def finished(self) -> bool:
@@ -104,8 +105,10 @@ class OutputProcessor:
             self._child_to_seq.pop(cid, None)
         return ids
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's outputs. Returns updated RequestOutputs and core ids stopped by a stop string."""
+    def process(self, outputs: list[EngineCoreOutput],
+                weight_version: str = "") -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs (computed by the weights `weight_version`). Returns updated
+        RequestOutputs and core ids stopped by a stop string."""
         touched: dict[str, _Group] = {}
         stopped: list[str] = []
         now = time.time()
@@ -114,6 +117,8 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             group, seq = entry
+            if weight_version and out.new_token_ids and weight_version not in group.weight_versions:
+                group.weight_versions.append(weight_version)
             if group.first_token_time is None and out.new_token_ids:
                 group.first_token_time = now
             if out.scheduled_time and (group.scheduled_time is None or out.scheduled_time < group.scheduled_time):
@@ -230,4 +235,5 @@ class OutputProcessor:
             num_cached_tokens=group.num_cached_tokens,
             metrics=metrics,
             prompt_logprobs=prompt_logprobs,
+            weight_version="+".join(group.weight_versions) or None,
         )

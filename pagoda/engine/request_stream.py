@@ -27,6 +27,7 @@ def merge_delta(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
     acc.finished = new.finished
     acc.num_cached_tokens = new.num_cached_tokens
     acc.metrics = new.metrics
+    acc.weight_version = new.weight_version or acc.weight_version
     if acc.prompt_logprobs is None:
         acc.prompt_logprobs = new.prompt_logprobs  # sent once, with the first delta that has them
     return acc
@@ -60,13 +61,23 @@ class RequestStream:
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + timeout if timeout else None
         self._pending_error: BaseException | None = None
+        self._peeked: RequestOutput | None = None
         self.finished = False
         self.closed = False
 
     def __aiter__(self) -> "RequestStream":
         return self
 
+    async def peek(self) -> RequestOutput:
+        """The first output (raising as iterating would), which iterating then yields first."""
+        if self._peeked is None:
+            self._peeked = await self.__anext__()
+        return self._peeked
+
     async def __anext__(self) -> RequestOutput:
+        if self._peeked is not None:
+            item, self._peeked = self._peeked, None
+            return item
         if self.closed:
             raise StopAsyncIteration
         try:

@@ -31,7 +31,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p._optionals.title = "frontend (the HTTP server)"  # vLLM's --help title for the flags added to `p` itself
     p.add_argument("model", nargs="?", default=EngineArgs.model, help=field_help("model"))
-    p.add_argument("--model", dest="model_flag", default=None, help="the model, as a flag (as vLLM accepts)")
+    p.add_argument("--model", dest="model_flag", action="append", default=None,
+                   help="the model, as a flag (as vLLM accepts); repeated (NAME=PATH or PATH): several models, "
+                        "each its own engine, routed by the request's model field")
+    p.add_argument("--models-file", default=None, help="several models: JSON {name: path} or lines 'NAME PATH'")
+    p.add_argument("--max-loaded-models", type=int, default=None,
+                   help="with several models: the most loaded at once (least recently used unloaded first)")
+    p.add_argument("--model-load-timeout", type=float, default=300.0,
+                   help="with several models: seconds a request waits for its model to load (then 503)")
     p.add_argument("--host", default=os.environ.get("PAGODA_HOST", "0.0.0.0"), help="address to listen on")
     p.add_argument("--port", type=int, default=int(os.environ.get("PAGODA_PORT", "8000")), help="port to listen on")
     p.add_argument(
@@ -98,9 +105,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from pagoda.serve.tenants import build_registry
 
     configure_logging(ns.log_level, ns.log_format, "api")
-    model = ns.model_flag or ns.model
-    if ns.model_flag and ns.model and ns.model_flag != ns.model:
-        raise ValueError(f"two different models given: {ns.model!r} and --model {ns.model_flag!r}")
+    if ns.models_file or len(ns.model_flag or ()) > 1:
+        from pagoda.entrypoints.serve_pool import cmd_serve_pool, read_models
+
+        return cmd_serve_pool(ns, read_models([*([ns.model] if ns.model else []), *(ns.model_flag or ())],
+                                              ns.models_file))
+    model = ns.model_flag[0] if ns.model_flag else ns.model
+    if ns.model_flag and ns.model and model != ns.model:
+        raise ValueError(f"two different models given: {ns.model!r} and --model {model!r}")
     source = resolve_model(model, ns.revision)  # a bad model fails here, before anything starts
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be >= 0")

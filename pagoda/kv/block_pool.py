@@ -282,6 +282,16 @@ class BlockPool:
     def num_reusable_blocks(self) -> int:
         return len(self._reusable)
 
+    def drop_all_hashes(self) -> None:
+        """Forget every hash, in use or not: cached free blocks become reusable, blocks in use stay
+        with their requests unpublished (freed, they become reusable)."""
+        for block in self.cached_free.popleft_n(self.cached_free.num_free_blocks):
+            block.block_hash = None
+            self._reusable.append(block)
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Refused (False) while any block is in use: its request may still publish."""
         if self.get_num_free_blocks() != self.num_usable_blocks:

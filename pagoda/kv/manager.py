@@ -73,6 +73,9 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each table are published (hashed) or were hits.
         self.num_cached_blocks: dict[str, int] = {}
+        # Requests whose blocks must never be published: their KV was computed by weights since
+        # replaced (flush_prefix_cache); the set empties as they free their blocks.
+        self.unpublishable: set[str] = set()
         self.prefix_cache_stats = PrefixCacheStats()
         self.tier = TierManager(offload, self.block_pool, block_size) if offload is not None else None
         # request id -> blocks of its last admission from each tier (first, second), for timelines.
@@ -223,7 +226,7 @@ class KVCacheManager:
             num_computed_tokens = request.num_computed_tokens
         num_full = num_computed_tokens // self.block_size
         num_cached = self.num_cached_blocks.get(rid)
-        if num_cached is None or num_full <= num_cached:
+        if num_cached is None or num_full <= num_cached or rid in self.unpublishable:
             return
         self.bind(request)
         self.block_pool.cache_full_blocks(
@@ -264,6 +267,7 @@ class KVCacheManager:
                 self.tier.forget_swapped(rid)  # it ended while swapped out
             return
         self.cache_blocks(request)
+        self.unpublishable.discard(rid)
         del self.req_to_blocks[rid]
         del self.req_to_block_ids[rid]
         del self.num_cached_blocks[rid]
@@ -311,8 +315,19 @@ class KVCacheManager:
         block is in use."""
         if not self.block_pool.reset_prefix_cache():
             return False
+        self._drop_second_tier()
+        return True
+
+    def _drop_second_tier(self) -> None:
         if self.tier is not None:
             tier = self.tier.tier
             for entry in list(tier.lru.values()):
                 tier.drop(entry)
-        return True
+
+    def flush_prefix_cache(self) -> None:
+        """Forget every hash, of blocks in use too (and the second tier's unpinned entries), and never
+        publish the blocks of the requests holding blocks now: the weights changed under them, so no
+        later request may hit their KV."""
+        self.block_pool.drop_all_hashes()
+        self._drop_second_tier()
+        self.unpublishable.update(self.req_to_blocks)

@@ -22,6 +22,7 @@ from pagoda.contracts.messages import EngineCoreStats
 from pagoda.ops.request_events import FinishedRequest
 
 METRICS_PREFIXES = ("pagoda", "vllm")
+OWN_PREFIX = "pagoda:"  # series vLLM has no counterpart of keep this prefix under either
 LABELS = ["model_name", "engine"]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -117,14 +118,32 @@ class _CoreStatsCollector(Collector):
         return self.collect()
 
 
+class _WeightVersionCollector(Collector):
+    """pagoda:weight_version_info{weight_version=...} 1: the version served now, read at scrape time."""
+
+    def __init__(self, model_name: str, version: Callable[[], str]) -> None:
+        self.model_name = model_name
+        self.version = version
+
+    def collect(self) -> Iterable:
+        g = GaugeMetricFamily(OWN_PREFIX + "weight_version_info", "The weight version served (value 1).",
+                              labels=["model_name", "weight_version"])
+        g.add_metric([self.model_name, self.version() or ""], 1)
+        yield g
+
+    def describe(self) -> Iterable:
+        return self.collect()
+
+
 class ServerMetrics:
     """The server's metrics registry; `render()` is the /metrics body."""
 
     def __init__(self, model_name: str, max_model_len: int, latest_stats: Callable[[], EngineCoreStats | None],
                  stats_by_engine: Callable[[], dict[str, EngineCoreStats]] | None = None,
-                 prefix: str = "pagoda", engine: str = "0") -> None:
+                 prefix: str = "pagoda", engine: str = "0", weight_version: Callable[[], str] | None = None) -> None:
         """`stats_by_engine`: data-parallel replicas' stats by index (one series each); `prefix`: one of
-        METRICS_PREFIXES; `engine`: the engine core's index, vLLM's `engine` label."""
+        METRICS_PREFIXES; `engine`: the engine core's index, vLLM's `engine` label; `weight_version`: the
+        version served now (Pagoda's own series, always under `pagoda:`)."""
         if prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics prefix must be one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
         prefix += ":"
@@ -133,6 +152,11 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         reg, labels = self.registry, LABELS
         self.registry.register(_CoreStatsCollector(model_name, latest_stats, prefix, engine, stats_by_engine))
+        if weight_version is not None:
+            self.registry.register(_WeightVersionCollector(model_name, weight_version))
+        self._by_version = Counter(OWN_PREFIX + "request_success_by_weight_version",
+                                   "Requests finished, by the weight version that produced them.",
+                                   ["model_name", "weight_version"], registry=reg)
         token_buckets = one_two_five_buckets(max(max_model_len, 1))
 
         def hist(name: str, doc: str, buckets) -> Histogram:
@@ -201,6 +225,7 @@ class ServerMetrics:
 
     def on_finished(self, r: FinishedRequest) -> None:
         self._success.labels(self.model_name, self.engine, r.finish_reason).inc()
+        self._by_version.labels(self.model_name, r.weight_version or "").inc()
         self.e2e.observe(r.e2e_latency)
         self.prompt_len.observe(r.num_prompt_tokens)
         self.generation_len.observe(r.num_generation_tokens)

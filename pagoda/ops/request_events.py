@@ -39,6 +39,7 @@ class FinishedRequest:
     decode_steps_per_sequence: int | None = None
     num_sequences: int = 1  # the request's n
     max_sequence_tokens: int | None = None  # the most tokens one of its sequences generated
+    weight_version: str | None = None  # the weights that produced it ("A+B": updated in place meanwhile)
 
     @property
     def e2e_latency(self) -> float:
@@ -201,6 +202,7 @@ class RequestTracker:
                         decode_steps_per_sequence=sum(q.num_tokens - 1 for q in live.seqs.values()),
                         num_sequences=max(len(res.outputs), 1),
                         max_sequence_tokens=max((q.num_tokens for q in live.seqs.values()), default=0),
+                        weight_version=res.weight_version,
                     ),
                 )
 
@@ -221,9 +223,10 @@ class RequestLogger(RequestSink):
         ttft = r.ttft
         logger.log(
             self.level,
-            "finished: reason=%s prompt_tokens=%d cached_tokens=%d generation_tokens=%d ttft=%s e2e=%.3fs",
+            "finished: reason=%s prompt_tokens=%d cached_tokens=%d generation_tokens=%d ttft=%s e2e=%.3fs "
+            "weight_version=%s",
             r.finish_reason, r.num_prompt_tokens, r.num_cached_tokens, r.num_generation_tokens,
-            "-" if ttft is None else f"{ttft:.3f}s", r.e2e_latency,
+            "-" if ttft is None else f"{ttft:.3f}s", r.e2e_latency, r.weight_version or "-",
             extra={"request_id": r.request_id},
         )
 

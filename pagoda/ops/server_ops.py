@@ -43,7 +43,8 @@ class Ops:
         engine = state.engine
         max_len = engine.args.max_model_len or _DEFAULT_MAX_MODEL_LEN
         self.metrics = ServerMetrics(state.config.model_name, max_len, lambda: engine.latest_stats,
-                                     getattr(engine, "stats_by_replica", None), prefix=config.metrics_prefix)
+                                     getattr(engine, "stats_by_replica", None), prefix=config.metrics_prefix,
+                                     weight_version=lambda: getattr(engine, "weight_version", ""))
         self.tenant_usage = TenantUsage(self.metrics.registry, state.config.model_name)
         self.recent = RecentRequests()
         for sink in (self.tenant_usage, self.recent):

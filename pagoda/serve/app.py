@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from pagoda.serve.errors import install_error_handlers
+from pagoda.serve.lifecycle_routes import router as lifecycle_router
 from pagoda.serve.middleware import AuthMiddleware
 from pagoda.serve.openai_api import router as openai_router
 from pagoda.serve.routes import router as routes_router
@@ -61,6 +62,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes_router)
     app.include_router(openai_router)
+    app.include_router(lifecycle_router)
     app.add_middleware(AuthMiddleware, state=state)
     # Added last, so outermost: preflights and 401s carry the CORS headers too.
     cfg = state.config

@@ -24,10 +24,12 @@ from pagoda.outputs import CompletionOutput
 from pagoda.serve.admission import (CHAT_FIELDS, COMPLETION_FIELDS, Prepared, admit, engine_error, invalid_request,
                                     process_prompts, sampling_params, session_key, start)
 from pagoda.serve.chat_output import ChatParsers, ChoiceStream, apply_auto_tools, whole_message
-from pagoda.serve.openai_format import SSE_DONE, CompletionLogprobs, chat_logprobs, prompt_logprobs_json, sse, usage
+from pagoda.serve.openai_format import (SSE_DONE, CompletionLogprobs, chat_logprobs, prompt_logprobs_json, sse, usage,
+                                        weight_version_of)
 from pagoda.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pagoda.serve.state import ServerState, get_state, get_tenant
-from pagoda.serve.streaming import SSE_HEADERS, SSEResponse, collect, merge_streams, new_id, run_cancellable, usage_event
+from pagoda.serve.streaming import (SSE_HEADERS, SSEResponse, collect, merge_streams, new_id, peek_weight_version,
+                                    run_cancellable, usage_event)
 from pagoda.serve.tool_calls import parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -50,11 +52,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     streams = await start(state, prep, request_id)
     headers = {"x-request-id": request_id}
     if body.stream:
+        headers["x-weight-version"] = await peek_weight_version(streams) or ""
         return SSEResponse(_completion_events(state, body, prep, request_id, streams), headers={**SSE_HEADERS, **headers})
     result = await run_cancellable(request, _completion_whole(state, body, prep, request_id, streams))
     if isinstance(result, Response):
         return result
-    return JSONResponse(result, headers=headers)
+    return JSONResponse(result, headers={**headers, "x-weight-version": result["system_fingerprint"] or ""})
 
 
 def _echo_texts(state: ServerState, prep: Prepared) -> list[str]:
@@ -124,7 +127,7 @@ async def _completion_whole(state: ServerState, body: CompletionRequest, prep: P
         "model": prep.model,
         "choices": choices,
         "usage": usage(prep.num_prompt_tokens, completion_tokens, cached),
-        "system_fingerprint": None,
+        "system_fingerprint": weight_version_of(finals),
     }
 
 
@@ -170,6 +173,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
                     "object": "text_completion",
                     "created": created,
                     "model": prep.model,
+                    "system_fingerprint": out.weight_version,
                     "choices": [
                         {
                             "index": idx,
@@ -225,11 +229,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     streams = await start(state, prep, request_id)
     headers = {"x-request-id": request_id}
     if body.stream:
-        return SSEResponse(_chat_events(body, parsers, prep, request_id, streams), headers={**SSE_HEADERS, **headers})
+        headers["x-weight-version"] = version = await peek_weight_version(streams) or ""
+        return SSEResponse(_chat_events(body, parsers, prep, request_id, streams, version),
+                           headers={**SSE_HEADERS, **headers})
     result = await run_cancellable(request, _chat_whole(body, parsers, prep, request_id, streams))
     if isinstance(result, Response):
         return result
-    return JSONResponse(result, headers=headers)
+    return JSONResponse(result, headers={**headers, "x-weight-version": result["system_fingerprint"] or ""})
 
 
 def _assistant_message(body: ChatCompletionRequest, parsers: ChatParsers, text: str,
@@ -277,7 +283,7 @@ async def _chat_whole(body: ChatCompletionRequest, parsers: ChatParsers, prep: P
         "model": prep.model,
         "choices": choices,
         "usage": usage(prep.num_prompt_tokens, completion_tokens, final.num_cached_tokens),
-        "system_fingerprint": None,
+        "system_fingerprint": weight_version_of([final]),
     }
     if body.prompt_logprobs is not None:
         response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, body.prompt_logprobs)
@@ -285,7 +291,7 @@ async def _chat_whole(body: ChatCompletionRequest, parsers: ChatParsers, prep: P
 
 
 async def _chat_events(body: ChatCompletionRequest, parsers: ChatParsers, prep: Prepared, request_id: str,
-                       streams: list[RequestStream]) -> AsyncIterator[str]:
+                       streams: list[RequestStream], weight_version: str | None = None) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = body.include_usage
     completion_tokens = 0
@@ -299,6 +305,7 @@ async def _chat_events(body: ChatCompletionRequest, parsers: ChatParsers, prep: 
             "object": "chat.completion.chunk",
             "created": created,
             "model": prep.model,
+            "system_fingerprint": weight_version or None,
             "choices": [
                 {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
                  "stop_reason": stop_reason}
@@ -317,6 +324,7 @@ async def _chat_events(body: ChatCompletionRequest, parsers: ChatParsers, prep: 
             yield chunk(index, {"role": "assistant", "content": ""})
         async for _, out in merge_streams(streams):
             cached = max(cached, out.num_cached_tokens)
+            weight_version = out.weight_version or weight_version
             for seq in out.outputs:
                 if seq.index in finished:
                     continue

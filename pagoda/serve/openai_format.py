@@ -16,6 +16,17 @@ from pagoda.outputs import Logprob
 _MIN_LOGPROB = -9999.0
 
 
+def weight_version_of(outputs: list) -> str | None:
+    """The weights that produced these RequestOutputs: one version, or "A+B" where they differ
+    (an in-place update during a request, or a batch's prompts on both sides of a swap)."""
+    seen: list[str] = []
+    for out in outputs:
+        for v in (out.weight_version or "").split("+"):
+            if v and v not in seen:
+                seen.append(v)
+    return "+".join(seen) or None
+
+
 def _lp(x: float) -> float:
     return x if math.isfinite(x) else _MIN_LOGPROB
 

@@ -45,6 +45,9 @@ def _model_card(state: ServerState, name: str) -> dict:
         "root": engine.source.name,
         "parent": None,
         "max_model_len": engine.info.max_model_len if engine.info is not None else engine.args.max_model_len,
+        "weight_version": engine.weight_version or None,
+        "weights_loaded_at": engine.weights_loaded_at or None,
+        "state": "sleeping" if state.sleeping else "updating" if engine.updating_weights else state.status,
     }
 
 

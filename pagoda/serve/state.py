@@ -62,6 +62,7 @@ class ServerState:
         self.engine = engine
         self.tenants = tenants or TenantRegistry()
         self.status = "starting"
+        self.sleeping = False  # POST /sleep: engine-backed requests get 503 until POST /wake_up
         self.created = int(time.time())
         self.exit_code: int | None = None
         # Why the engine could not start with these arguments (EngineConfigError); exit code 2.
@@ -156,8 +157,10 @@ class ServerState:
 
     # -- per-request checks ----------------------------------------------------------------------
     def check_accepting(self) -> None:
-        if self.status == "ready":
+        if self.status == "ready" and not self.sleeping:
             return
+        if self.status == "ready":
+            raise unavailable("the engine is sleeping (POST /wake_up wakes it)", retry_after_s=1)
         if self.status == "starting":
             raise unavailable("the server is starting: the model is still loading", retry_after_s=1)
         if self.status == "draining":

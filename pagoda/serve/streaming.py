@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.request_stream import RequestStream, merge_delta
 from pagoda.outputs import RequestOutput
-from pagoda.serve.admission import Prepared
+from pagoda.serve.admission import Prepared, engine_error
 from pagoda.serve.openai_format import sse, usage
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -108,6 +108,17 @@ async def run_cancellable(request: Request, work: Awaitable[Any]) -> Any:
     except BaseException:
         pass
     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+async def peek_weight_version(streams: list[RequestStream]) -> str | None:
+    """The weight version of the first stream's first output, for a streamed response's header
+    (sent before its body). An error before that output is raised as the response's HTTP error."""
+    try:
+        return (await streams[0].peek()).weight_version
+    except Exception as exc:
+        for s in streams:
+            s.close()
+        raise engine_error(exc) from None
 
 
 def new_id(prefix: str) -> str:

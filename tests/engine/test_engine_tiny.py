@@ -165,7 +165,7 @@ def test_c9_every_message_round_trips_with_every_field_set():
     out = _all_fields_set(EngineCoreOutput(
         "r#1", [5, 6], new_logprobs=[([5, 9], [-0.25, -3.5]), ([6], [-0.5])], finish_reason="stop",
         stop_reason="bc", num_cached_tokens=16, queued_time=1.5, scheduled_time=2.5,
-        prompt_logprobs=[([2, 7], [-1.25, -0.5], 3), ([3, 3], [-0.75, -0.75], 1)],
+        prompt_logprobs=[([2, 7], [-1.25, -0.5], 3), ([3, 3], [-0.75, -0.75], 1)], error="weights swapped",
     ))
     stats = _all_fields_set(EngineCoreStats(
         num_running=1, num_waiting=2, kv_usage=0.25, prefix_cache_queries=40, prefix_cache_hits=16,
@@ -177,6 +177,7 @@ def test_c9_every_message_round_trips_with_every_field_set():
     ready = _all_fields_set(EngineCoreReady(
         max_model_len=512, vocab_size=512, num_blocks=65, num_usable_blocks=64, block_size=16,
         model_name="tiny", architecture="LlamaForCausalLM", dtype="float32", device="cpu", eos_token_id=2, pid=1234,
+        weight_version="v7", weights_loaded_at=1.75,
     ))
     call = _all_fields_set(UtilityRequest(3, "timeline", ["r#1", 2]))
     # What the utilities really return: a timeline (one of each event) and the stats as a dict.
@@ -195,7 +196,7 @@ def test_c9_every_message_round_trips_with_every_field_set():
     outputs = _all_fields_set(EngineCoreOutputs(
         outputs=[out, EngineCoreOutput("r#2", [])], stats=stats, utility=result, ready=ready,
         rejected={"r#3": "too long"}, failed="boom", config_error="KV cache too small", timestamp=3.25,
-        iteration_tokens=[7, 1, 1], kv_events=kv_events,
+        iteration_tokens=[7, 1, 1], kv_events=kv_events, weight_version="v7",
     ))
     for msg in (req, out, stats, ready, call, result, stats_result, kv_events, outputs):
         assert decoder(type(msg)).decode(encode(msg)) == msg, type(msg).__name__

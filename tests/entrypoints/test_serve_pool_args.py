@@ -1,0 +1,48 @@
+"""The flags of `pagoda serve` with several models: names, the models file, what each model's own
+server is given."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagoda.entrypoints.serve import add_serve_parser
+from pagoda.entrypoints.serve_pool import member_args, read_models
+from pagoda.serve.model_pool import ModelPool, PoolError
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    sub = argparse.ArgumentParser().add_subparsers()
+    return add_serve_parser(sub).parse_args(argv)
+
+
+def test_model_names_from_flags_and_file(tmp_path):
+    assert read_models(["/m/llama-a", "b=/m/x.gguf", "/m/c.gguf"], None) == {
+        "llama-a": "/m/llama-a", "b": "/m/x.gguf", "c": "/m/c.gguf"}
+    (tmp_path / "m.json").write_text(json.dumps({"d": "/m/d"}))
+    (tmp_path / "m.txt").write_text("# two models\ne /m/e\nf /m/f\n")
+    assert read_models(["/m/a"], str(tmp_path / "m.json")) == {"a": "/m/a", "d": "/m/d"}
+    assert read_models([], str(tmp_path / "m.txt")) == {"e": "/m/e", "f": "/m/f"}
+    with pytest.raises(ValueError, match="two models are named 'a'"):
+        read_models(["/x/a", "/y/a"], None)
+
+
+def test_each_model_server_gets_the_engine_and_serving_flags_given():
+    ns = _parse(["--model", "a=/m/a", "--model", "b=/m/b", "--max-loaded-models", "1", "--dtype", "float32",
+                 "--no-enable-prefix-caching", "--num-gpu-blocks-override", "64", "--api-key", "k1"])
+    assert ns.model_flag == ["a=/m/a", "b=/m/b"] and ns.max_loaded_models == 1
+    args = member_args(ns)
+    assert args[:6] == ["--dtype", "float32", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "64",
+                        "--api-key"] and "k1" in args
+    assert "--max-loaded-models" not in args and "--model" not in args
+
+
+def test_pool_refuses_unknown_models_and_bad_k():
+    pool = ModelPool({"a": "/m/a", "b": "/m/b"}, 1, [])
+    assert pool.member(None).name == "a" and pool.member("b").name == "b"
+    with pytest.raises(PoolError, match="The model `c` does not exist"):
+        pool.member("c")
+    with pytest.raises(ValueError, match="--max-loaded-models must be >= 1"):
+        ModelPool({"a": "/m/a"}, 0, [])
