@@ -295,8 +295,7 @@ class AsyncLLM(WeightLifecycleCalls):
         timeout: float | None = None,
         session: str | None = None,
     ) -> RequestStream:
-        """Check and send a request; returns its stream of delta outputs. (`session` is a routing key
-        for several replicas (`pagoda.engine.replica_set`); one engine has nothing to route.)
+        """Check and send a request; returns its stream of delta outputs. (`session`: replicas' routing key.)
 
         `prompt` may be what `process_inputs_async` returned for these params: it is then sent as is.
         Raises InvalidRequestError for a bad request (nothing reaches the core), EngineDeadError,

@@ -19,6 +19,7 @@ import torch
 from pagoda.config import EngineArgs
 from pagoda.engine.context_length import resolve_max_model_len
 from pagoda.engine.input_processor import eos_token_id_of
+from pagoda.engine.kv_layout import bytes_per_block, kv_cache_dtype, make_kv_cache, num_kv_blocks
 from pagoda.engine.kv_tiers import (SwapCostMeter, attach_offloader, check_offload_config, offload_stats, second_tier,
                                     tier_sources)
 from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest, EngineCoreStats, KVCacheEvents
@@ -26,7 +27,7 @@ from pagoda.contracts.step import SchedulerOutput
 from pagoda.engine.prompt_logprob_store import PromptLogprobStore
 from pagoda.engine.timeline import TimelineStore
 from pagoda.engine.weight_lifecycle import WeightLifecycle
-from pagoda.exec.cpu_kv_sizing import cpu_kv_budget, max_cached_free_blocks
+from pagoda.exec.cpu_kv_sizing import max_cached_free_blocks
 from pagoda.exec.cpu_memory import heap_free_bytes, trim_heap
 from pagoda.exec.executor import Executor, UniExecutor, check_parallel_config, resolve_backend
 from pagoda.exec.model_runner import ModelRunner
@@ -72,13 +73,13 @@ class EngineCore:
             check_parallel_config(tp, pp, backend, self.device, self.loaded.config, args.enable_expert_parallel)
         config = self.loaded.config
         self.max_model_len = resolve_max_model_len(args.max_model_len, config)
-        num_blocks = self._num_kv_blocks()
+        num_blocks = num_kv_blocks(args, self.loaded, self.device, self.max_model_len)
         # On the CPU the pool is lazily resident: bound what cached prefixes keep (pagoda.kv.block_pool).
         on_cpu = self.device.type == "cpu"
         self.kv_manager = KVCacheManager(
             num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             max_cached_free_blocks=max_cached_free_blocks(num_blocks) if on_cpu else None,
-            offload=second_tier(args, self._bytes_per_block()),
+            offload=second_tier(args, bytes_per_block(self.args, self.loaded, self.device)),
         )
         # Without chunking a prompt must fit one step.
         budget = args.max_num_batched_tokens
@@ -102,7 +103,7 @@ class EngineCore:
         self.swap_meter: SwapCostMeter | None = None
         self.executor: Executor
         if backend == "uni":
-            self.kv_cache = self._make_kv_cache(num_blocks)
+            self.kv_cache = make_kv_cache(self.args, self.loaded, self.device, num_blocks)
             self.runner = ModelRunner(
                 self.loaded.model,
                 self.kv_cache,
@@ -124,7 +125,7 @@ class EngineCore:
             from pagoda.exec.executor import make_distributed_executor
 
             self.executor = make_distributed_executor(args, backend, num_blocks, self.max_model_len,
-                                                      str(self._kv_cache_dtype()).removeprefix("torch."))
+                                                      str(kv_cache_dtype(self.args, self.loaded, self.device)).removeprefix("torch."))
         # Giving free blocks' pages back needs the cache in this process: in-process (uni) on the CPU.
         # (The workers of mp and ray hold their shards; their pages are not given back yet.)
         local_cache = self.kv_cache is not None and self.kv_cache.can_release
@@ -149,59 +150,6 @@ class EngineCore:
         tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(
             tokenizer_source(self.loaded.source, self.args.tokenizer))
         return tokenizer, eos_token_id_of(tokenizer, self.loaded.config)
-
-    def _kv_cache_dtype(self) -> torch.dtype:
-        name = self.args.kv_cache_dtype
-        if name == "auto":
-            return self.loaded.dtype
-        if self.device.type != "cpu":
-            # The Triton kernels have not been checked against a cache dtype other than the model's.
-            raise ValueError(f"kv_cache_dtype={name!r} is supported on the CPU only; use 'auto' on {self.device.type}")
-        return getattr(torch, name)
-
-    def _head_dim(self) -> int:
-        cfg = self.loaded.config
-        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-    def _make_kv_cache(self, num_blocks: int) -> PagedKVCache:
-        cfg = self.loaded.config
-        return PagedKVCache(cfg.num_hidden_layers, num_blocks, self.args.block_size, cfg.num_key_value_heads,
-                            self._head_dim(), self._kv_cache_dtype(), self.device)
-
-    def _bytes_per_block(self) -> int:
-        cfg = self.loaded.config
-        return PagedKVCache.bytes_per_block(cfg.num_hidden_layers, self.args.block_size, cfg.num_key_value_heads,
-                                            self._head_dim(), self._kv_cache_dtype())
-
-    def _num_kv_blocks(self) -> int:
-        """Blocks of the whole model's K/V that fit the budget (a TP rank holds a shard of each)."""
-        args, cfg = self.args, self.loaded.config
-        kv_dtype = self._kv_cache_dtype()
-        num_kv_heads = cfg.num_key_value_heads
-        head_dim = self._head_dim()
-        per_block = self._bytes_per_block()
-        if args.num_gpu_blocks_override:
-            num_blocks = args.num_gpu_blocks_override
-        else:
-            budget = args.kv_cache_memory
-            if budget is None:
-                if self.device.type == "cuda" and self.runner_is_local():
-                    from pagoda.exec.kv_sizing import profile_kv_budget  # a profiling forward at the token budget
-
-                    budget = profile_kv_budget(self.loaded.model, args, self.max_model_len, cfg.num_hidden_layers,
-                                               num_kv_heads, head_dim, kv_dtype, self.device)
-                else:
-                    per_token = per_block // args.block_size
-                    budget, why = cpu_kv_budget(per_token, args.max_num_seqs, self.max_model_len)
-                    logger.debug("CPU KV budget from %s", why)
-            num_blocks = budget // per_block
-        if num_blocks < 2:
-            raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
-        logger.info(
-            "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
-            num_blocks, args.block_size, str(kv_dtype).removeprefix("torch."), num_blocks * per_block / 2**20,
-        )
-        return num_blocks
 
     def runner_is_local(self) -> bool:
         return self.loaded.model is not None
@@ -409,7 +357,7 @@ class EngineCore:
             spec_num_draft_tokens=s.spec_num_draft_tokens,
             spec_num_accepted_tokens=s.spec_num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=s.spec_num_accepted_tokens_per_pos,
-            **offload_stats(s, self._bytes_per_block()),
+            **offload_stats(s, bytes_per_block(self.args, self.loaded, self.device)),
             num_blocks=kv.num_blocks,
             num_usable_blocks=kv.num_usable_blocks,
             num_free_blocks=kv.num_free_blocks,

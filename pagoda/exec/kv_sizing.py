@@ -146,7 +146,7 @@ def profile_kv_budget(
 ) -> int:
     """`profile_kv_cache_bytes` with the engine's settings: the step size is the scheduler's token
     budget (a whole prompt per step when chunked prefill is off)."""
-    from pagoda.exec.model_runner import make_attention_backend
+    from pagoda.exec.attention_backend import make_attention_backend
 
     tokens = args.max_num_batched_tokens
     if not args.enable_chunked_prefill:

@@ -25,6 +25,7 @@ from pagoda.exec.quant_linear import install_quant_kernels
 from pagoda.exec.cpu_moe import prepare_experts
 from pagoda.exec.cpu_memory import keep_freed_memory
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
+from pagoda.exec.attention_backend import make_attention_backend
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
 from pagoda.exec.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
@@ -34,18 +35,6 @@ from pagoda.model.attention import AttentionContext
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def make_attention_backend(kv_cache: PagedKVCache):
-    """Triton kernels on CUDA when triton imports; the PyTorch backend otherwise (and on CPU)."""
-    if kv_cache.tensor.device.type == "cuda":
-        try:
-            from pagoda.exec.triton_attention import TritonPagedAttention
-        except ImportError as exc:
-            logger.warning("triton unavailable (%s): CUDA attention falls back to PyTorch, without CUDA graphs", exc)
-        else:
-            return TritonPagedAttention(kv_cache)
-    return TorchPagedAttention(kv_cache)
 
 
 @dataclass

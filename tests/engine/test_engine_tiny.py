@@ -244,16 +244,14 @@ def test_kv_cache_dtype_sizes_and_stores_the_cache(tiny):
 
 def test_kv_cache_dtype_errors(tiny):
     from pagoda.config import EngineArgs
-    from pagoda.engine.core import EngineCore
+    from pagoda.engine.kv_layout import kv_cache_dtype
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16; got 'fp8'"):
         EngineArgs(kv_cache_dtype="fp8")
-    core = EngineCore.__new__(EngineCore)  # only the dtype choice: no CUDA machine needed
-    core.args, core.device, core.loaded = EngineArgs(kv_cache_dtype="float16"), torch.device("cuda"), tiny[0]
+    # Only the dtype choice: no CUDA machine needed.
     with pytest.raises(ValueError, match="supported on the CPU only"):
-        core._kv_cache_dtype()
-    core.args = EngineArgs()
-    assert core._kv_cache_dtype() == torch.float32
+        kv_cache_dtype(EngineArgs(kv_cache_dtype="float16"), tiny[0], torch.device("cuda"))
+    assert kv_cache_dtype(EngineArgs(), tiny[0], torch.device("cuda")) == torch.float32
 
 
 GREEDY8 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
