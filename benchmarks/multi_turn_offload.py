@@ -61,7 +61,8 @@ def run(args: argparse.Namespace, offload: bool) -> dict:
                  kv_offloading_dir=args.offload_dir) if offload else {}
     engine = LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, device="cpu", block_size=16,
                                   num_gpu_blocks_override=args.num_blocks, max_num_seqs=args.concurrency,
-                                  max_model_len=4096, **extra), tokenizer=None)
+                                  max_model_len=args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens),
+                                  **extra), tokenizer=None)
     vocab = engine.core.loaded.config.vocab_size
     system, users = conversation_turns(args, vocab)
     warm_up(engine, args, vocab)
