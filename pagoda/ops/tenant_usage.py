@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
-from pagoda.ops.metrics import PREFIX
+from pagoda.ops.metrics import OWN_PREFIX as PREFIX
 from pagoda.ops.request_events import FinishedRequest, RequestSink
 
 TENANT_REQUESTS = PREFIX + "tenant_requests"

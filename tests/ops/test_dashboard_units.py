@@ -196,3 +196,15 @@ def test_waterfall_of_a_live_request_ends_open_segments_now():
         {"event": "decode", "start": 101.25, "end": None, "tokens": None}])
     last = segments(decoding, now=102.0)[-1]
     assert (last["kind"], last["start"], last["end"], last["open"]) == ("decode", 1.25, 2.0, True)
+
+
+def test_figures_read_vllm_named_series_and_sum_over_replicas():
+    """Under --metrics-prefix vllm the series are read as their pagoda: names; with data-parallel
+    replicas (one series per `engine` label) the figures are the totals over them."""
+    by_engine = {"0": EngineCoreStats(num_running=2, prefix_cache_queries=100, prefix_cache_hits=10),
+                 "1": EngineCoreStats(num_running=3, prefix_cache_queries=50, prefix_cache_hits=40)}
+    metrics = ServerMetrics("m", 64, lambda: None, lambda: by_engine, prefix="vllm")
+    assert "vllm:num_requests_running" in metrics.render().decode()
+    samples = read_samples(metrics.registry)
+    assert samples[("pagoda:num_requests_running", ())] == 5
+    assert samples[("pagoda:prefix_cache_hits_total", ())] == 50

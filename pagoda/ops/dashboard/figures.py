@@ -2,8 +2,10 @@
 they are, rates and hit rates from counter deltas, and latency percentiles from histogram bucket
 deltas over a sliding window (interpolated within a bucket, as PromQL's `histogram_quantile`).
 
-The series it reads are named once, in `SERIES` (from `pagoda.ops.metrics.PREFIX`), so that a
-change of metric names is one change here. `History` keeps a sample per second for the windows.
+The series it reads are named once, in `SERIES` (under `pagoda:`; a server started with
+`--metrics-prefix vllm` has its `vllm:` series read as `pagoda:` ones), so that a change of metric
+names is one change here. Labels other than the series' own are summed over (`model_name`, and
+`engine`: the total over data-parallel replicas). `History` keeps a sample per second for the windows.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry
 
-from pagoda.ops.metrics import FINISH_REASONS, PREFIX
+from pagoda.ops.metrics import FINISH_REASONS, OWN_PREFIX as PREFIX
 from pagoda.ops.tenant_usage import TENANT_GENERATION_TOKENS, TENANT_PROMPT_TOKENS, TENANT_REQUESTS
 
-# Sample name -> value, with labels other than model_name as a sorted tuple.
+# Sample name -> value, with labels other than model_name and engine as a sorted tuple.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 SERIES = {
@@ -41,6 +43,8 @@ SERIES = {
     "tenant_generation_tokens": TENANT_GENERATION_TOKENS + "_total",
 }
 LATENCIES = ("ttft", "itl", "e2e")
+_VLLM = "vllm:"
+_SUMMED_LABELS = ("model_name", "engine")
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -48,7 +52,8 @@ def read_samples(registry: CollectorRegistry) -> Samples:
     out: Samples = {}
     for family in registry.collect():
         for s in family.samples:
-            key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))
+            name = PREFIX + s.name[len(_VLLM):] if s.name.startswith(_VLLM) else s.name
+            key = (name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in _SUMMED_LABELS)))
             out[key] = out.get(key, 0.0) + s.value
     return out
 

@@ -45,7 +45,7 @@ def test_snapshot_agrees_with_metrics_and_load(dashboard_server):
     snap = httpx.get(f"{dashboard_server.url}/dashboard/snapshot", headers=auth("team-b")).json()
     text = httpx.get(f"{dashboard_server.url}/metrics").text
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-              if not s.labels.keys() - {"model_name"}}
+              if not s.labels.keys() - {"model_name", "engine"}}
     load = httpx.get(f"{dashboard_server.url}/load").json()
     assert (snap["running"], snap["waiting"]) == (load["num_requests_running"], load["num_requests_waiting"])
     assert snap["totals"]["prompt_tokens"] == values["pagoda:prompt_tokens_total"]
