@@ -107,13 +107,6 @@ class EngineArgs:
         "(CPU only; float16 keeps more precision, bfloat16 fp32's range)",
         choices=KV_CACHE_DTYPES,
     )
-    quantization: str | None = _arg(
-        None,
-        "keep the weights quantized in memory: gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks as they "
-        "are: about the file's size, fastest single streams), int8 (any model's linears, per-channel scales), "
-        "fp8 (GPU only, not yet implemented); default: none (a GGUF is dequantized to --dtype: best batch throughput)",
-        choices=QUANTIZATION_METHODS,
-    )
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N; auto: cuda when available, else cpu")
     seed: int = _arg(0, "random seed for sampling")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens; default: the model's context, capped at 8192")
@@ -150,6 +143,13 @@ class EngineArgs:
         "(keys: method ngram|draft_model, num_speculative_tokens, model, prompt_lookup_min, prompt_lookup_max, "
         "disable_by_batch_size); default: off",
         cli="json",
+    )
+    quantization: str | None = _arg(
+        None,
+        "keep the weights quantized in memory: gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks as they "
+        "are: about the file's size, fastest single streams), int8 (any model's linears, per-channel scales), "
+        "fp8 (GPU only, not yet implemented); default: none (a GGUF is dequantized to --dtype: best batch throughput)",
+        choices=QUANTIZATION_METHODS,
     )
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ ENGINE_FLAGS = [
     "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching", "--enable-chunked-prefill",
     "--long-prefill-token-threshold", "--scheduling-policy", "--kv-cache-memory", "--num-gpu-blocks-override",
     "--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size", "--pipeline-parallel-size",
-    "--distributed-executor-backend", "--max-logprobs", "--speculative-config",
+    "--distributed-executor-backend", "--max-logprobs", "--speculative-config", "--quantization",
 ]
 
 
