@@ -135,13 +135,6 @@ class EngineArgs:
         "(CPU only; float16 keeps more precision, bfloat16 fp32's range)",
         choices=KV_CACHE_DTYPES,
     )
-    quantization: str | None = _arg(
-        None,
-        "keep the weights quantized in memory: gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks as they "
-        "are: about the file's size, fastest single streams), int8 (any model's linears, per-channel scales), "
-        "fp8 (GPU only, not yet implemented); default: none (a GGUF is dequantized to --dtype: best batch throughput)",
-        choices=QUANTIZATION_METHODS,
-    )
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N; auto: cuda when available, else cpu")
     seed: int = _arg(0, "random seed for sampling")
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens; default: the model's context, capped at 8192")
@@ -199,6 +192,13 @@ class EngineArgs:
         "recompute", "recompute: a preempted request's KV is computed again on resume; swap: its blocks go to "
         "the second KV tier (--kv-offloading-size) and come back", choices=PREEMPTION_MODES)
     weight_version: str = _arg("default", "the version name of the weights loaded at start (POST /update_weights names later ones)")
+    quantization: str | None = _arg(
+        None,
+        "keep the weights quantized in memory: gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks as they "
+        "are: about the file's size, fastest single streams), int8 (any model's linears, per-channel scales), "
+        "fp8 (GPU only, not yet implemented); default: none (a GGUF is dequantized to --dtype: best batch throughput)",
+        choices=QUANTIZATION_METHODS,
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

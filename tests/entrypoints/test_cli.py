@@ -25,7 +25,7 @@ ENGINE_FLAGS = [
     "--long-prefill-token-threshold", "--scheduling-policy", "--kv-cache-memory", "--num-gpu-blocks-override",
     "--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size", "--pipeline-parallel-size", "--enable-expert-parallel",
     "--data-parallel-size", "--distributed-executor-backend", "--max-logprobs", "--speculative-config",
-    "--kv-offloading-size", "--kv-offloading-backend", "--kv-offloading-dir", "--preemption-mode", "--weight-version",
+    "--kv-offloading-size", "--kv-offloading-backend", "--kv-offloading-dir", "--preemption-mode", "--weight-version", "--quantization",
 ]
 
 
