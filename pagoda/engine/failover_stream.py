@@ -31,6 +31,7 @@ class FailoverStream:
         self._resubmit = resubmit
         self._tried = {replica}
         self._yielded = False
+        self._peeked: RequestOutput | None = None
 
     @property
     def finished(self) -> bool:
@@ -43,7 +44,17 @@ class FailoverStream:
     def __aiter__(self) -> "FailoverStream":
         return self
 
+    async def peek(self) -> RequestOutput:
+        """The first output (failing over as iterating would), which iterating then yields first: a
+        streamed response's headers wait for it (they name the weight version)."""
+        if self._peeked is None:
+            self._peeked = await self.__anext__()
+        return self._peeked
+
     async def __anext__(self) -> RequestOutput:
+        if self._peeked is not None:
+            item, self._peeked = self._peeked, None
+            return item
         while True:
             try:
                 item = await self._inner.__anext__()

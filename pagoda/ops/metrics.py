@@ -80,8 +80,8 @@ class _CoreStatsCollector(Collector):
             g.add_metric(labels, value)
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(prefix + name, doc, labels=LABELS)
+        def counter(name: str, doc: str, value: float, own: bool = False) -> CounterMetricFamily:
+            c = CounterMetricFamily((OWN_PREFIX if own else prefix) + name, doc, labels=LABELS)
             c.add_metric(labels, value)
             return c
 
@@ -91,18 +91,19 @@ class _CoreStatsCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions by the scheduler (recompute or swap).", s.num_preemptions)
-        # The second KV tier (--kv-offloading-size): its hits and misses in prompt tokens, bytes moved, swaps.
+        # The second KV tier (--kv-offloading-size): its hits and misses in prompt tokens, bytes moved, swaps
+        # (Pagoda's own: vLLM has no such series, so they keep pagoda: under --metrics-prefix vllm).
         yield counter("kv_offload_queries", "Prompt tokens looked up in the second KV tier (first-tier misses).",
-                      s.kv_offload_queries)
+                      s.kv_offload_queries, own=True)
         yield counter("kv_offload_hits", "Prompt tokens loaded from the second KV tier instead of computed.",
-                      s.kv_offload_hits)
+                      s.kv_offload_hits, own=True)
         yield counter("kv_offload_bytes_saved", "Bytes copied from the KV cache to the second tier.",
-                      s.kv_offload_bytes_saved)
+                      s.kv_offload_bytes_saved, own=True)
         yield counter("kv_offload_bytes_loaded", "Bytes copied from the second tier back to the KV cache.",
-                      s.kv_offload_bytes_loaded)
+                      s.kv_offload_bytes_loaded, own=True)
         yield counter("num_swaps_out", "Preemptions that swapped the request's KV blocks to the second tier.",
-                      s.num_swaps_out)
-        yield counter("num_swaps_in", "Swapped-out requests resumed from the second tier.", s.num_swaps_in)
+                      s.num_swaps_out, own=True)
+        yield counter("num_swaps_in", "Swapped-out requests resumed from the second tier.", s.num_swaps_in, own=True)
         yield counter("spec_decode_num_drafts", "Speculative steps of a request (rows with draft tokens).",
                       s.spec_num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)

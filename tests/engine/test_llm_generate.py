@@ -246,7 +246,7 @@ def test_cuda_device_without_cuda_is_a_value_error(tiny_llama3_fp32):
         (["--device", "bogus"], "device must be auto, cpu, cuda or cuda:N"),
         (["--num-gpu-blocks-override", "0"], "num_gpu_blocks_override must be >= 1"),
         (["--max-model-len", "0"], "max_model_len must be >= 1"),
-        (["--kv-cache-memory", "-5"], "kv_cache_memory must be a positive number"),
+        (["--kv-cache-memory", "0"], "kv_cache_memory must be a positive number"),
         (["--speculative-config", "{method: ngram}"], "speculative_config is not valid JSON"),
         (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
          "speculative_config: method must be one of ngram, draft_model"),

@@ -362,4 +362,5 @@ def test_per_replica_core_metrics_carry_the_engine_label():
     assert 'pagoda:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 1.0' in text
     assert text.count("# TYPE pagoda:num_requests_running gauge") == 1  # one family, a series per replica
     single = ServerMetrics("m", 512, lambda: EngineCoreStats(num_running=3)).render().decode()
-    assert 'pagoda:num_requests_running{model_name="m"} 3.0' in single and "engine=" not in single
+    # One engine core: vLLM's engine label with its index, 0.
+    assert 'pagoda:num_requests_running{engine="0",model_name="m"} 3.0' in single

@@ -6,6 +6,7 @@ returns. The routing units are in tests/engine/test_data_parallel.py."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections import Counter
@@ -75,7 +76,10 @@ def test_passes_the_api_through_streaming_included(cluster):
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+        # Events as the backend sent them (deltas produced before the client reads are merged, so
+        # their number varies); together they carry the whole completion.
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+        assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == direct
         # The tiny tokenizer has no chat template: the backend's own 400, passed on as it is.
         chat_body = {"messages": [{"role": "user", "content": "w9 w10"}], "max_tokens": 3}
         chat, chat_direct = http.post("/v1/chat/completions", json=chat_body), b0.post("/v1/chat/completions",

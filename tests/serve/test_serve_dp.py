@@ -103,13 +103,16 @@ async def _killed_under_load(server) -> None:
         assert len(set(pids.values())) == 2
         runs = [Run() for _ in range(10)]
         tasks = [asyncio.create_task(_stream(http, f"w{10 + i} w{20 + i} w{30 + i}", run)) for i, run in enumerate(runs)]
-        # Round robin: five on each replica, two running there and three waiting (--max-num-seqs 2).
+        # Round robin: five on each replica, two running there and three waiting (--max-num-seqs 2). A
+        # stream's headers (its request id) come with its first token, so the waiting ones have none yet.
         deadline = time.monotonic() + 120
-        while sum(1 for r in runs if r.chunks) < 4 or any(r.request_id is None for r in runs):
+        while sum(1 for r in runs if r.chunks) < 4:
             assert time.monotonic() < deadline, "requests did not start streaming"
             await asyncio.sleep(0.02)
-        replica = {r.request_id: await _replica_of(http, r.request_id) for r in runs}
-        started = {r.request_id for r in runs if r.chunks}
+        started = [r for r in runs if r.chunks]
+        assert len(started) == 4
+        replica = {r.request_id: await _replica_of(http, r.request_id) for r in started}
+        assert sorted(replica.values()) == [0, 0, 1, 1]
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.monotonic()
         # Still healthy: the other replica serves.
@@ -122,17 +125,13 @@ async def _killed_under_load(server) -> None:
         assert time.monotonic() - killed_at < 30
         assert ready["replicas"][1]["restarts"] == 0 and ready["replicas"][1]["pid"] != pids[1]
 
-        on0 = [r for r in runs if replica[r.request_id] == 0]
-        on1 = [r for r in runs if replica[r.request_id] == 1]
-        assert len(on0) == len(on1) == 5
-        for r in on0:  # the other replica's requests never noticed
-            assert r.error is None and r.finish_reason == "length" and r.tokens == MAX_TOKENS and r.done
-        mid_stream = [r for r in on1 if r.request_id in started]
-        waiting = [r for r in on1 if r.request_id not in started]
-        assert mid_stream and waiting
-        for r in mid_stream:  # an error event, then [DONE]
-            assert r.error and "engine" in r.error and r.finish_reason is None and r.done, vars(r)
-        for r in waiting:  # moved to replica 0 and ran in full
+        for r in started:
+            if replica[r.request_id] == 0:  # the other replica's requests never noticed
+                assert r.error is None and r.finish_reason == "length" and r.tokens == MAX_TOKENS and r.done
+            else:  # mid-stream on the killed replica: an error event, then [DONE]
+                assert r.error and "engine" in r.error and r.finish_reason is None and r.done, vars(r)
+        waiting = [r for r in runs if r not in started]
+        for r in waiting:  # the killed replica's moved to replica 0; all ran in full there
             assert r.error is None and r.finish_reason == "length" and r.tokens == MAX_TOKENS, vars(r)
             assert await _replica_of(http, r.request_id) == 0
 
@@ -147,6 +146,8 @@ async def _killed_under_load(server) -> None:
     log = server.log_tail(1_000_000)
     assert "replica 1 died" in log and "replica 1 serves again" in log
     assert re.search(r"routed to replica 1 \(round_robin, round_robin\)", log)
+    # The killed replica's three waiting requests were among those moved.
+    assert log.count("replica 1 died before the request streamed anything; retried on replica 0") == 3
 
 
 async def _stream_short(http: httpx.AsyncClient, prompt: str, run: Run) -> None:

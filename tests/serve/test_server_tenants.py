@@ -193,24 +193,28 @@ def test_queue_bound_and_tenant_priority(server, http):
 def test_request_timeout_aborts_and_frees_blocks(server, http):
     before = stats(http)
 
-    async def run() -> tuple[httpx.Response, list[str], float]:
+    async def run() -> tuple[httpx.Response, tuple[int, str, list[str]], float]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=auth("sk-open")) as ac:
-            async def streamed() -> list[str]:
+            async def streamed() -> tuple[int, str, list[str]]:
                 async with ac.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as s:
-                    return [line async for line in s.aiter_lines() if line.startswith("data: ")]
+                    if s.status_code != 200:
+                        return s.status_code, (await s.aread()).decode(), []
+                    return 200, "", [line async for line in s.aiter_lines() if line.startswith("data: ")]
 
             t0 = time.monotonic()
             whole, events = await asyncio.gather(ac.post("/v1/completions", json=LONG), streamed())
             return whole, events, time.monotonic() - t0
 
     # Both time out (one while running, the other while waiting for the single slot).
-    whole, events, elapsed = asyncio.run(run())
+    whole, (status, body, events), elapsed = asyncio.run(run())
     err = assert_error(whole, 504, "timeout_error")
     assert err["code"] == "request_timeout"
     assert elapsed >= TIMEOUT_S - 0.5
-    # The streamed one ends with an error event, then [DONE].
-    assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
+    if status == 200:  # the streamed one ran first: an error event, then [DONE]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
+    else:  # it waited for the slot: a stream's headers wait for its first token, so the 504 is HTTP's
+        assert status == 504 and json.loads(body)["error"]["code"] == "request_timeout", body
     after = wait_for(lambda: idle_and_free(http), 30, what="blocks freed after the timeouts")
     assert after["num_aborted_requests"] == before["num_aborted_requests"] + 2
     ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
