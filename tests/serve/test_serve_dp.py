@@ -7,6 +7,7 @@ and it serves again. /load and /metrics carry each replica (vLLM's `engine` labe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -102,19 +103,27 @@ async def _killed_under_load(server) -> None:
         pids = {int(r["engine"]): r["pid"] for r in load["replicas"]}
         assert len(set(pids.values())) == 2
         runs = [Run() for _ in range(10)]
+        # Both cores are frozen while the requests arrive and then run in short bursts, one replica after
+        # the other, until each has streamed its two running requests: so the streams that started are
+        # known by replica without asking the (frozen) replicas, and replica 1's are surely mid-stream when
+        # it is killed, however far behind this client or the server falls on a loaded machine.
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
         tasks = [asyncio.create_task(_stream(http, f"w{10 + i} w{20 + i} w{30 + i}", run)) for i, run in enumerate(runs)]
         # Round robin: five on each replica, two running there and three waiting (--max-num-seqs 2). A
         # stream's headers (its request id) come with its first token, so the waiting ones have none yet.
-        deadline = time.monotonic() + 120
-        while sum(1 for r in runs if r.chunks) < 4:
-            assert time.monotonic() < deadline, "requests did not start streaming"
-            await asyncio.sleep(0.02)
-        started = [r for r in runs if r.chunks]
-        assert len(started) == 4
-        replica = {r.request_id: await _replica_of(http, r.request_id) for r in started}
-        assert sorted(replica.values()) == [0, 0, 1, 1]
-        os.kill(pids[1], signal.SIGKILL)
+        try:
+            on_0 = await _run_in_bursts(pids[0], runs, 2)
+            on_1 = [r for r in await _run_in_bursts(pids[1], runs, 4) if r not in on_0]
+            os.kill(pids[1], signal.SIGKILL)
+        finally:
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):  # replica 1 is gone once reaped
+                    os.kill(pid, signal.SIGCONT)
         killed_at = time.monotonic()
+        started = on_0 + on_1
+        replica = {r.request_id: 0 for r in on_0} | {r.request_id: 1 for r in on_1}
+        assert len(on_0) == 2 and len(on_1) == 2
         # Still healthy: the other replica serves.
         health = await http.get("/health")
         assert health.status_code == 200, health.text
@@ -127,6 +136,7 @@ async def _killed_under_load(server) -> None:
 
         for r in started:
             if replica[r.request_id] == 0:  # the other replica's requests never noticed
+                assert await _replica_of(http, r.request_id) == 0
                 assert r.error is None and r.finish_reason == "length" and r.tokens == MAX_TOKENS and r.done
             else:  # mid-stream on the killed replica: an error event, then [DONE]
                 assert r.error and "engine" in r.error and r.finish_reason is None and r.done, vars(r)
@@ -148,6 +158,19 @@ async def _killed_under_load(server) -> None:
     assert re.search(r"routed to replica 1 \(round_robin, round_robin\)", log)
     # The killed replica's three waiting requests were among those moved.
     assert log.count("replica 1 died before the request streamed anything; retried on replica 0") == 3
+
+
+async def _run_in_bursts(pid: int, runs: list[Run], want: int) -> list[Run]:
+    """Let a frozen engine core run for 30 ms at a time until `want` streams have started; it is frozen
+    again on return. A burst decodes a few dozen tokens at most, far from a request's MAX_TOKENS."""
+    deadline = time.monotonic() + 120
+    while len(started := [r for r in runs if r.chunks]) < want:
+        assert time.monotonic() < deadline, f"only {len(started)} of {want} requests started streaming"
+        os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(0.03)
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(0.1)  # the server and this client take in what the burst produced
+    return started
 
 
 async def _stream_short(http: httpx.AsyncClient, prompt: str, run: Run) -> None:
