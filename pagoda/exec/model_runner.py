@@ -25,6 +25,7 @@ from pagoda.exec.quant_linear import install_quant_kernels
 from pagoda.exec.cpu_moe import prepare_experts
 from pagoda.exec.cpu_memory import keep_freed_memory
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
+from pagoda.exec.fused_decode import FusedCPUDecoder
 from pagoda.exec.attention_backend import make_attention_backend
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention
 from pagoda.exec.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
@@ -128,6 +129,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.requests: dict[str, _CachedRequest] = {}
         self.graphs: CUDAGraphDecoder | None = None
+        self.fused_decode = FusedCPUDecoder.create(model, self.backend, device)  # CPU decodes of a few rows
         # Graphs need launches that read no device value on the host: the Triton backend's.
         if (device.type == "cuda" and not enforce_eager and not isinstance(self.backend, TorchPagedAttention)
                 and getattr(model, "cuda_graphs_ok", True)):
@@ -271,6 +273,8 @@ class ModelRunner:
         order, input_ids, positions, meta = self.prepare(so)
         if self.graphs is not None and self.graphs.can_run(meta.num_decodes, meta.num_reqs):
             hidden = self.graphs.run(input_ids, positions, meta)  # padding rows already dropped
+        elif self.fused_decode is not None and self.fused_decode.can_run(meta, input_ids.shape[0]):
+            hidden = self.fused_decode.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
         if hidden is None:

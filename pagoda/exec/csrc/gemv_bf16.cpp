@@ -10,6 +10,9 @@
 //
 // Float32 sums in another order than oneDNN's: results may differ from it in the last bf16 bit.
 #include <torch/extension.h>
+
+#include <map>
+#include <string>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #if defined(__AVX512F__)
@@ -139,4 +142,6 @@ bool has_avx512_bf16() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16);
   m.def("has_avx512_bf16", &has_avx512_bf16);
+  // Entry points for the fused decode step (exec/csrc/fused_decode.cpp), which calls them from C++.
+  m.def("_addresses", [] { return std::map<std::string, int64_t>{{"gemv_bf16", reinterpret_cast<int64_t>(&gemv_bf16)}}; });
 }

@@ -11,6 +11,9 @@
 // vec_math.h): a NaN or +inf score makes its head's output NaN, as torch's softmax does; a -inf
 // score weighs 0; cache rows past a sequence's length (the rest of its last block) are never read.
 #include <torch/extension.h>
+
+#include <map>
+#include <string>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -277,4 +280,6 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
   m.def("write_kv", &write_kv);
+  // Entry points for the fused decode step (exec/csrc/fused_decode.cpp), which calls them from C++.
+  m.def("_addresses", [] { return std::map<std::string, int64_t>{{"paged_decode", reinterpret_cast<int64_t>(&paged_decode)}, {"write_kv", reinterpret_cast<int64_t>(&write_kv)}}; });
 }

@@ -19,6 +19,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
 
 namespace {
 
@@ -490,4 +492,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rows", &gather_rows, "the rows `ids` of w as float32 (embedding lookup)");
   m.def("set_isa", &set_isa, "force the instruction set: auto, avx512, avx2 or scalar");
   m.def("isa", &isa, "the instruction set in use");
+  // Entry points for the fused decode step (exec/csrc/fused_decode.cpp), which calls them from C++.
+  m.def("_addresses", [] { return std::map<std::string, int64_t>{{"quant_matmul", reinterpret_cast<int64_t>(&quant_matmul)}}; });
 }

@@ -20,6 +20,9 @@
 // float32 agrees with the PyTorch path within float rounding (FMA contraction, exp_f32 within 1 ulp).
 // NaN and inf go through as IEEE arithmetic takes them (no -ffast-math; see vec_math.h).
 #include <torch/extension.h>
+
+#include <map>
+#include <string>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
@@ -254,4 +257,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rotary_", &rotary_);
   m.def("silu_and_mul", &silu_and_mul);
+  // Entry points for the fused decode step (exec/csrc/fused_decode.cpp), which calls them from C++.
+  m.def("_addresses", [] { return std::map<std::string, int64_t>{{"rms_norm", reinterpret_cast<int64_t>(&rms_norm)}, {"add_rms_norm_", reinterpret_cast<int64_t>(&add_rms_norm_)}, {"rotary_", reinterpret_cast<int64_t>(&rotary_)}, {"silu_and_mul", reinterpret_cast<int64_t>(&silu_and_mul)}}; });
 }

@@ -1,0 +1,198 @@
+// A decode step's decoder layers in one call: the Llama family's layer (RMSNorm with the residual
+// add, QKV projection, rotary, KV write, paged decode attention, output projection, RMSNorm, gate-up
+// projection, SiLU-and-multiply, down projection) for a few rows, each one sequence's next token.
+//
+// Why: with one to a few sequences a step's kernels take ~5 ms of SmolLM2's ~9, and the Python that
+// calls them (module calls, views, checks: ~25 calls a layer, 30 layers) most of the rest. Here the
+// same kernels are called, in the same order on the same tensors, from C++: the results are the
+// Python path's bit for bit.
+//
+// The kernels live in the other extensions (model/csrc/layer_ops.cpp, exec/csrc/paged_decode.cpp,
+// gemv_bf16.cpp, quant_matmul.cpp); each exports its entry points' addresses (`_addresses`), which
+// the plan is built with. oneDNN's packed linears are called through torch's dispatcher.
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Opt = c10::optional<torch::Tensor>;
+using RmsNormFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, double);
+using AddRmsNormFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, double);
+using RotaryFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor);
+using SiluMulFn = torch::Tensor (*)(torch::Tensor);
+using DecodeFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double);
+using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
+using GemvFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&);
+using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
+
+constexpr int64_t kGemvMaxRows = 4;   // gemv_bf16.cpp's limit (cpu_linear.GEMV_MAX_ROWS)
+constexpr int64_t kQuantMaxRows = 8;  // quant_matmul.cpp's fused rows (quant_linear.FUSED_ROWS)
+
+// oneDNN's packed linear as cpu_linear._packed_linear calls it (rows up to 16 need no padding).
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const Opt& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const Opt&,
+                                                  c10::string_view, c10::List<c10::optional<c10::Scalar>>,
+                                                  c10::optional<c10::string_view>)>();
+  return op.call(x.contiguous(), packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(),
+                 c10::string_view(""));
+}
+
+// One projection: oneDNN packed (0), bf16 GEMV over the plain weight up to four rows, else packed
+// (1), or weights kept quantized, one or more row blocks side by side, then the bias (2).
+struct Linear {
+  int kind = 0;
+  torch::Tensor packed, plain;
+  Opt bias;
+  std::vector<torch::Tensor> qdata;
+  std::vector<int64_t> qtype;
+  std::vector<Opt> qscale;
+  int64_t tile_rows = 0;
+};
+
+struct Layer {
+  torch::Tensor in_norm, post_norm, k_cache, v_cache;
+  double in_eps, post_eps, scale;
+  int64_t heads, kv_heads, head_dim;
+  Linear qkv, o, gate_up, down;
+};
+
+struct Kernels {
+  RmsNormFn rms_norm;
+  AddRmsNormFn add_rms_norm_;
+  RotaryFn rotary_;
+  SiluMulFn silu_and_mul;
+  DecodeFn paged_decode;
+  WriteKVFn write_kv;
+  GemvFn gemv_bf16 = nullptr;    // only where the CPU has AVX512-BF16
+  QuantFn quant_matmul = nullptr;  // only for models with quantized weights
+};
+
+template <typename F>
+F address(const std::map<std::string, int64_t>& at, const std::string& name, bool required = true) {
+  auto it = at.find(name);
+  TORCH_CHECK(it != at.end() || !required, "fused decode: no address for kernel ", name);
+  return it == at.end() ? nullptr : reinterpret_cast<F>(it->second);
+}
+
+class DecodePlan {
+ public:
+  explicit DecodePlan(const std::map<std::string, int64_t>& at) {
+    k_.rms_norm = address<RmsNormFn>(at, "rms_norm");
+    k_.add_rms_norm_ = address<AddRmsNormFn>(at, "add_rms_norm_");
+    k_.rotary_ = address<RotaryFn>(at, "rotary_");
+    k_.silu_and_mul = address<SiluMulFn>(at, "silu_and_mul");
+    k_.paged_decode = address<DecodeFn>(at, "paged_decode");
+    k_.write_kv = address<WriteKVFn>(at, "write_kv");
+    k_.gemv_bf16 = address<GemvFn>(at, "gemv_bf16", false);
+    k_.quant_matmul = address<QuantFn>(at, "quant_matmul", false);
+  }
+
+  void add_layer(torch::Tensor in_norm, double in_eps, torch::Tensor post_norm, double post_eps, Linear qkv,
+                 Linear o, Linear gate_up, Linear down, torch::Tensor k_cache, torch::Tensor v_cache, int64_t heads,
+                 int64_t kv_heads, int64_t head_dim, double scale) {
+    for (const Linear* l : {&qkv, &o, &gate_up, &down}) {
+      TORCH_CHECK(l->kind != 1 || k_.gemv_bf16, "fused decode: a GEMV linear without the GEMV kernel");
+      TORCH_CHECK(l->kind != 2 || k_.quant_matmul, "fused decode: a quantized linear without its kernel");
+    }
+    layers_.push_back(Layer{in_norm, post_norm, k_cache, v_cache, in_eps, post_eps, scale, heads, kv_heads,
+                            head_dim, std::move(qkv), std::move(o), std::move(gate_up), std::move(down)});
+  }
+
+  // h: the embeddings [M, H]. Returns (the last layer's output, the residual stream), which the
+  // model's final norm adds and normalises, as LlamaModel.forward does after its layers.
+  std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, torch::Tensor positions, torch::Tensor rope_table,
+                                               torch::Tensor slots, torch::Tensor block_tables,
+                                               torch::Tensor seq_lens) {
+    const int64_t m = h.size(0);
+    TORCH_CHECK(m >= 1 && m <= kQuantMaxRows, "fused decode: 1 to ", kQuantMaxRows, " rows");
+    torch::Tensor residual;
+    for (const Layer& l : layers_) {
+      if (!residual.defined()) {
+        residual = h;
+        h = k_.rms_norm(h, l.in_norm, l.in_eps);
+      } else {
+        k_.add_rms_norm_(h, residual, l.in_norm, l.in_eps);
+      }
+      const int64_t q_size = l.heads * l.head_dim, kv_size = l.kv_heads * l.head_dim;
+      torch::Tensor qkv = linear(h, l.qkv);
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({m, l.heads, l.head_dim});
+      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({m, l.kv_heads, l.head_dim});
+      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({m, l.kv_heads, l.head_dim});
+      k_.rotary_(q, positions, rope_table);
+      k_.rotary_(k, positions, rope_table);
+      k_.write_kv(l.k_cache, l.v_cache, k, v, slots);
+      torch::Tensor attn = k_.paged_decode(q, l.k_cache, l.v_cache, block_tables, seq_lens, l.scale);
+      h = linear(attn.reshape({m, q_size}), l.o);
+      k_.add_rms_norm_(h, residual, l.post_norm, l.post_eps);
+      h = linear(k_.silu_and_mul(linear(h, l.gate_up)), l.down);
+    }
+    return {h, residual};
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
+    if (l.kind == 1 && x.size(0) <= kGemvMaxRows) return k_.gemv_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.plain, l.bias);
+    if (l.kind != 2) return packed_linear(x, l.packed, l.bias);
+    const torch::Tensor xc = x.contiguous();
+    std::vector<torch::Tensor> outs;
+    outs.reserve(l.qdata.size());
+    for (size_t i = 0; i < l.qdata.size(); ++i)
+      outs.push_back(k_.quant_matmul(xc, l.qdata[i], l.qtype[i], l.qscale[i], l.tile_rows));
+    torch::Tensor out = outs.size() == 1 ? outs[0] : torch::cat(outs, -1);
+    return l.bias.has_value() ? out + *l.bias : out;
+  }
+
+  Kernels k_;
+  std::vector<Layer> layers_;
+};
+
+Linear packed(torch::Tensor packed, Opt bias) {
+  Linear l;
+  l.kind = 0;
+  l.packed = packed;
+  l.bias = bias;
+  return l;
+}
+
+Linear gemv(torch::Tensor plain, torch::Tensor packed, Opt bias) {
+  Linear l = ::packed(packed, bias);
+  l.kind = 1;
+  l.plain = plain;
+  return l;
+}
+
+Linear quantized(std::vector<torch::Tensor> data, std::vector<int64_t> types, std::vector<Opt> scales, Opt bias,
+                 int64_t tile_rows) {
+  TORCH_CHECK(!data.empty() && data.size() == types.size() && data.size() == scales.size(), "quantized parts");
+  Linear l;
+  l.kind = 2;
+  l.qdata = std::move(data);
+  l.qtype = std::move(types);
+  l.qscale = std::move(scales);
+  l.bias = bias;
+  l.tile_rows = tile_rows;
+  return l;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Linear>(m, "Linear");
+  m.def("packed_linear", &packed);
+  m.def("gemv_linear", &gemv);
+  m.def("quant_linear", &quantized);
+  m.attr("MAX_ROWS") = kQuantMaxRows;
+  py::class_<DecodePlan>(m, "DecodePlan")
+      .def(py::init<const std::map<std::string, int64_t>&>())
+      .def("add_layer", &DecodePlan::add_layer)
+      .def("run", &DecodePlan::run)
+      .def("num_layers", &DecodePlan::num_layers);
+}

@@ -1,0 +1,153 @@
+"""The CPU decode step of a few sequences through one C++ call over the decoder layers (csrc/fused_decode.cpp).
+
+With one to a few sequences a step is bound by reading the weights plus Python's cost of calling
+~25 kernels a layer. `FusedCPUDecoder` hands the layers' tensors to a C++ plan once; a pure-decode
+step of up to `MAX_ROWS` sequences then runs every layer there, calling the very kernels the
+modules call (the fused layer ops, the GEMV or oneDNN's packed linears or the quantized matmul,
+the KV write and paged decode attention), in the same order: the output is the module path's, bit
+for bit. Everything else (prefill and mixed steps, more rows, other model shapes) takes the modules.
+
+What it serves: Llama-family layers (Llama, Mistral, Qwen2 with its QKV bias) with a dense MLP,
+without tensor or pipeline parallelism, in float32 or bfloat16 on the CPU, with the C++ paged
+kernels, and linears that are packed (cpu_linear) or quantized with their kernel (quant_linear).
+Qwen3's per-head q/k norms and MoE layers take the modules. PAGODA_NO_FUSED_DECODE=1 turns it off.
+
+The plan holds the tensors it was built with; weight updates copy into them in place, but a packed
+weight or a KV cache may be replaced by a new tensor (weight_tensors, sleep and wake), so each step
+first checks that the modules still hold the plan's tensors and rebuilds it when not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.cpp_build import build_cpu_extension
+from pagoda.exec.attn_metadata import PagedAttentionMetadata
+from pagoda.exec.cpu_kernels import load_cpu_kernels
+from pagoda.exec.cpu_linear import PackedLinear, gemv_kernel
+from pagoda.exec.paged_attention import TorchPagedAttention
+from pagoda.exec.quant_linear import TILE_ROWS, load_quant_kernels, quant_matmul
+from pagoda.model.cpu_layer_ops import FUSED_DTYPES, load_layer_ops
+from pagoda.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pagoda.model.quantized import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "fused_decode.cpp"
+MAX_ROWS = 8  # the quantized kernels' few-rows limit (quant_linear.FUSED_ROWS); rows beyond need no padding
+
+
+@lru_cache(maxsize=1)
+def load_fused_decode() -> ModuleType | None:
+    """The compiled module, or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+    return build_cpu_extension("pagoda_fused_decode", _SOURCE, "fused CPU decode step")
+
+
+class _NotServed(Exception):
+    """The model has a part the fused step does not serve; the reason is logged."""
+
+
+class FusedCPUDecoder:
+    """Runs pure-decode steps of up to MAX_ROWS sequences through the C++ plan; see the module doc."""
+
+    def __init__(self, model: LlamaForCausalLM, backend: TorchPagedAttention, ops: ModuleType) -> None:
+        self.model, self.backend, self.ops = model, backend, ops
+        self._held: list[tuple[Any, str, Any]] = []  # (owner, attribute, the tensor the plan holds)
+        self.plan = self._build()
+
+    @classmethod
+    def create(cls, model: nn.Module, backend: Any, device: torch.device) -> FusedCPUDecoder | None:
+        """The decoder for `model`, or None where it does not apply (the step then takes the modules)."""
+        if device.type != "cpu" or os.environ.get("PAGODA_NO_FUSED_DECODE") == "1":
+            return None
+        if not isinstance(model, LlamaForCausalLM) or not isinstance(backend, TorchPagedAttention):
+            return None
+        if backend.decode_kernel is None or backend.write_kernel is None:
+            return None
+        ops = load_fused_decode()
+        if ops is None:
+            return None
+        try:
+            return cls(model, backend, ops)
+        except _NotServed as why:
+            logger.debug("fused decode step not used: %s", why)
+            return None
+
+    def can_run(self, meta: PagedAttentionMetadata, num_tokens: int) -> bool:
+        return meta.num_decodes == num_tokens <= MAX_ROWS and meta.num_actual_tokens is None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+        if any(getattr(owner, attr) is not held for owner, attr, held in self._held):
+            self.plan = self._build()
+        inner = self.model.model
+        nd = meta.num_decodes
+        table = inner.rotary.table(max(meta.seq_lens_cpu))  # a decode's position is its length - 1
+        h, residual = self.plan.run(inner.embed_tokens(input_ids), positions, table, meta.slot_mapping,
+                                    meta.block_tables[:nd], meta.seq_lens[:nd])
+        return inner.norm.add_forward(h, residual)[0]
+
+    # -- building the plan ------------------------------------------------------------------------
+    def _build(self):
+        model, ops = self.model, self.ops
+        inner = model.model
+        if model.tp.size != 1 or model.pp.size != 1:
+            raise _NotServed("tensor or pipeline parallel")
+        layers = list(inner.layers)
+        dtype = inner.norm.weight.dtype
+        if dtype not in FUSED_DTYPES or load_layer_ops() is None:
+            raise _NotServed(f"{dtype} has no fused layer ops")
+        if inner.embed_tokens(torch.zeros(1, dtype=torch.long)).dtype != dtype:
+            raise _NotServed("embeddings in another dtype than the layers")
+        self._held = [(self.backend.kv_cache, "tensor", self.backend.kv_cache.tensor)]
+        plan = ops.DecodePlan(self._addresses())
+        for i, layer in enumerate(layers):
+            if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+                raise _NotServed(f"layer {i} is not a dense Llama layer")
+            attn = layer.self_attn
+            if attn.q_norm is not None:
+                raise _NotServed("per-head q/k norms")
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                if norm.weight.dtype != dtype:
+                    raise _NotServed("norm weights in another dtype")
+            k_cache, v_cache = self.backend.kv_cache.layer(attn.layer_idx)
+            plan.add_layer(
+                layer.input_layernorm.weight, layer.input_layernorm.eps,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                self._linear(attn.qkv_proj), self._linear(attn.o_proj),
+                self._linear(layer.mlp.gate_up_proj), self._linear(layer.mlp.down_proj),
+                k_cache, v_cache, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+            )
+        return plan
+
+    def _addresses(self) -> dict[str, int]:
+        addresses = {**load_layer_ops()._addresses(), **load_cpu_kernels()._addresses()}
+        if gemv_kernel() is not None:
+            addresses.update(gemv_kernel()._addresses())
+        quant = load_quant_kernels() if any(isinstance(m, QuantLinear) for m in self.model.modules()) else None
+        if quant is not None:
+            addresses.update(quant._addresses())
+        return addresses
+
+    def _linear(self, module: nn.Module):
+        ops = self.ops
+        if isinstance(module, PackedLinear):
+            self._held.append((module, "packed", module.packed))
+            if module.plain is not None:
+                self._held.append((module, "plain", module.plain))
+                return ops.gemv_linear(module.plain, module.packed, module.bias)
+            return ops.packed_linear(module.packed, module.bias)
+        if isinstance(module, QuantLinear) and module.kernel is quant_matmul:
+            self._held.append((module, "parts", module.parts))
+            parts = module.parts
+            bias = None if module.bias is None else module.bias.detach()
+            return ops.quant_linear([p.data for p in parts], [p.type_id for p in parts], [p.scale for p in parts],
+                                    bias, TILE_ROWS)
+        raise _NotServed(f"a {type(module).__name__} linear")

@@ -1,0 +1,116 @@
+"""The fused CPU decode step (exec/fused_decode.py) gives the module path's output bit for bit, for
+every kind of linear it serves, is used for exactly the pure-decode steps of up to MAX_ROWS rows,
+follows weights replaced under it (a weight update, sleep and wake), and stands aside for the
+models it does not serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda import SamplingParams
+from pagoda.exec import fused_decode
+from pagoda.exec.fused_decode import MAX_ROWS, FusedCPUDecoder
+from pagoda.model.loader import load_model
+from tests.conftest import make_engine
+from tests.tiny_models import save_tiny_model
+
+pytestmark = pytest.mark.skipif(fused_decode.load_fused_decode() is None, reason="the C++ extensions do not build here")
+
+# Eleven requests of different lengths: decode steps of 11 rows down to one (the first ones above
+# MAX_ROWS take the modules), then mixed steps as new ones come in.
+PROMPTS = [[5 + i, 17, 99, 3 + i][: 1 + i % 4] for i in range(11)]
+
+
+def _params(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=3)
+
+
+def _outputs(loaded, monkeypatch, fused: bool, **engine_args):
+    monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", "0" if fused else "1")
+    llm = make_engine(loaded, num_gpu_blocks_override=128, **engine_args)
+    runner = llm.engine.core.runner
+    assert (runner.fused_decode is not None) == fused
+    rows: list[int] = []
+    if fused:
+        run = runner.fused_decode.run
+
+        def counting(input_ids, positions, meta):
+            rows.append(input_ids.shape[0])
+            return run(input_ids, positions, meta)
+
+        runner.fused_decode.run = counting
+    first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:1]], _params(3), use_tqdm=False)
+    many = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [_params(i) for i in range(len(PROMPTS))],
+                        use_tqdm=False)
+    out = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs]) for o in first + many]
+    return out, rows, llm
+
+
+def _assert_fused_equals_modules(loaded_fn, monkeypatch, **engine_args):
+    want, _, _ = _outputs(loaded_fn(), monkeypatch, fused=False, **engine_args)
+    got, rows, _ = _outputs(loaded_fn(), monkeypatch, fused=True, **engine_args)
+    assert got == want  # tokens and logprobs, bit for bit
+    # Every row count from one to MAX_ROWS took the fused step, and nothing beyond it.
+    assert set(rows) == set(range(1, MAX_ROWS + 1))
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen2", "bfloat16"),
+                                        ("mistral", "float32")])
+def test_fused_step_equals_the_modules(tmp_path, monkeypatch, arch, dtype):
+    save_tiny_model(arch, tmp_path)  # qwen2: a QKV bias
+    _assert_fused_equals_modules(lambda: load_model(str(tmp_path), dtype=dtype, device="cpu"), monkeypatch)
+
+
+def test_fused_step_equals_the_modules_with_quantized_weights(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from tests.model.test_gguf_and_errors import write_tiny_gguf
+
+    hf = save_tiny_model("llama_linear", tmp_path / "hf", hidden_size=256, intermediate_size=512, head_dim=64)
+    hf.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    path = tmp_path / "tiny-Q4_1.gguf"
+    write_tiny_gguf(hf, path, "Q4_1")
+    _assert_fused_equals_modules(lambda: load_model(str(path), dtype="float32", quantization="gguf"), monkeypatch)
+    _assert_fused_equals_modules(lambda: load_model(str(tmp_path / "hf"), dtype="bfloat16", quantization="int8"),
+                                 monkeypatch)
+
+
+def test_fused_step_follows_weights_replaced_under_it(tmp_path, monkeypatch):
+    """A weight update hands packed weights over as new tensors, and sleep level 2 repacks them on
+    wake: the next fused step must read those, not the ones its plan was built with."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    save_tiny_model("llama3", a, seed=0)
+    save_tiny_model("llama3", b, seed=1)
+    want_b, _, _ = _outputs(load_model(str(b), dtype="float32", device="cpu"), monkeypatch, fused=True)
+    want_a, rows, llm = _outputs(load_model(str(a), dtype="float32", device="cpu"), monkeypatch, fused=True)
+    assert want_a != want_b and rows
+    llm.update_weights(str(b))
+    batch = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [_params(i) for i in range(len(PROMPTS))]
+
+    def outputs():
+        return [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
+                for o in llm.generate(batch, params, use_tqdm=False)]
+
+    assert outputs() == want_b[1:]
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert outputs() == want_b[1:]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+def test_models_it_does_not_serve_take_the_modules(tmp_path, arch):
+    save_tiny_model(arch, tmp_path)  # qwen3: per-head q/k norms; mixtral: experts
+    llm = make_engine(load_model(str(tmp_path), dtype="float32", device="cpu"), num_gpu_blocks_override=64)
+    assert llm.engine.core.runner.fused_decode is None
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], _params(1), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 7
+
+
+def test_the_off_switch_and_other_devices(monkeypatch, tmp_path):
+    save_tiny_model("llama3", tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
+    monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", "1")
+    assert FusedCPUDecoder.create(loaded.model, object(), torch.device("cpu")) is None
+    monkeypatch.delenv("PAGODA_NO_FUSED_DECODE")
+    assert FusedCPUDecoder.create(loaded.model, object(), torch.device("meta")) is None
