@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=600)
     p.add_argument("--user-tokens", type=int, default=32)
-    p.add_argument("--answer-tokens", type=int, default=16)
+    p.add_argument("--answer-tokens", type=int, default=64, help="a chat answer's length (docs/benchmarks.md)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--num-blocks", type=int, default=320, help="the first tier's blocks of 16 tokens")
     p.add_argument("--kv-offloading-size", type=float, default=1.0, help="GiB of the second tier")
