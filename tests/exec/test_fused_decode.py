@@ -1,5 +1,6 @@
 """The fused CPU decode step (exec/fused_decode.py) gives the module path's output bit for bit, for
-every kind of linear it serves, is used for exactly the pure-decode steps of up to MAX_ROWS rows,
+every kind of linear it serves, is used for exactly the pure-decode steps (of up to QUANT_MAX_ROWS
+rows with quantized weights),
 follows weights replaced under it (a weight update, sleep and wake), and stands aside for the
 models it does not serve."""
 
@@ -10,16 +11,17 @@ import torch
 
 from pagoda import SamplingParams
 from pagoda.exec import fused_decode
-from pagoda.exec.fused_decode import MAX_ROWS, FusedCPUDecoder
+from pagoda.exec.fused_decode import QUANT_MAX_ROWS, FusedCPUDecoder
 from pagoda.model.loader import load_model
 from tests.conftest import make_engine
 from tests.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.skipif(fused_decode.load_fused_decode() is None, reason="the C++ extensions do not build here")
 
-# Eleven requests of different lengths: decode steps of 11 rows down to one (the first ones above
-# MAX_ROWS take the modules), then mixed steps as new ones come in.
-PROMPTS = [[5 + i, 17, 99, 3 + i][: 1 + i % 4] for i in range(11)]
+# Nineteen requests of different lengths: decode steps of 19 rows down to one (17 and 19 rows are
+# padded for oneDNN; with quantized weights the steps above QUANT_MAX_ROWS take the modules), and
+# mixed steps as they come in (the modules).
+PROMPTS = [[5 + i, 17, 99, 3 + i][: 1 + i % 4] for i in range(19)]
 
 
 def _params(i: int) -> SamplingParams:
@@ -47,12 +49,12 @@ def _outputs(loaded, monkeypatch, fused: bool, **engine_args):
     return out, rows, llm
 
 
-def _assert_fused_equals_modules(loaded_fn, monkeypatch, **engine_args):
+def _assert_fused_equals_modules(loaded_fn, monkeypatch, quantized: bool = False, **engine_args):
     want, _, _ = _outputs(loaded_fn(), monkeypatch, fused=False, **engine_args)
     got, rows, _ = _outputs(loaded_fn(), monkeypatch, fused=True, **engine_args)
     assert got == want  # tokens and logprobs, bit for bit
-    # Every row count from one to MAX_ROWS took the fused step, and nothing beyond it.
-    assert set(rows) == set(range(1, MAX_ROWS + 1))
+    # Every decode step took the fused one, but those beyond QUANT_MAX_ROWS with quantized weights.
+    assert set(rows) == set(range(1, (QUANT_MAX_ROWS if quantized else len(PROMPTS)) + 1))
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen2", "bfloat16"),
@@ -70,9 +72,10 @@ def test_fused_step_equals_the_modules_with_quantized_weights(tmp_path, monkeypa
     hf.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     path = tmp_path / "tiny-Q4_1.gguf"
     write_tiny_gguf(hf, path, "Q4_1")
-    _assert_fused_equals_modules(lambda: load_model(str(path), dtype="float32", quantization="gguf"), monkeypatch)
+    _assert_fused_equals_modules(lambda: load_model(str(path), dtype="float32", quantization="gguf"), monkeypatch,
+                                 quantized=True)
     _assert_fused_equals_modules(lambda: load_model(str(tmp_path / "hf"), dtype="bfloat16", quantization="int8"),
-                                 monkeypatch)
+                                 monkeypatch, quantized=True)
 
 
 def test_fused_step_follows_weights_replaced_under_it(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 // A decode step's decoder layers in one call: the Llama family's layer (RMSNorm with the residual
 // add, QKV projection, rotary, KV write, paged decode attention, output projection, RMSNorm, gate-up
-// projection, SiLU-and-multiply, down projection) for a few rows, each one sequence's next token.
+// projection, SiLU-and-multiply, down projection) for a pure-decode step, each row one sequence's
+// next token (at most kQuantMaxRows rows with quantized weights).
 //
 // Why: with one to a few sequences a step's kernels take ~5 ms of SmolLM2's ~9, and the Python that
 // calls them (module calls, views, checks: ~25 calls a layer, 30 layers) most of the rest. Here the
@@ -32,15 +33,32 @@ using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, in
 constexpr int64_t kGemvMaxRows = 4;   // gemv_bf16.cpp's limit (cpu_linear.GEMV_MAX_ROWS)
 constexpr int64_t kQuantMaxRows = 8;  // quant_matmul.cpp's fused rows (quant_linear.FUSED_ROWS)
 
-// oneDNN's packed linear as cpu_linear._packed_linear calls it (rows up to 16 need no padding).
+// cpu_linear.bucket_rows: m up to 16, else m rounded up to a multiple of an eighth of the power of
+// two below it, so that oneDNN builds few primitives.
+int64_t bucket_rows(int64_t m) {
+  if (m <= 16) return m;
+  int bits = 0;
+  while ((int64_t{1} << bits) <= m) ++bits;
+  const int64_t step = int64_t{1} << (bits - 4);
+  return (m + step - 1) / step * step;
+}
+
+// oneDNN's packed linear as cpu_linear._packed_linear calls it: rows padded with zeros to the bucket.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const Opt& bias) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                              .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const Opt&,
                                                   c10::string_view, c10::List<c10::optional<c10::Scalar>>,
                                                   c10::optional<c10::string_view>)>();
-  return op.call(x.contiguous(), packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(),
-                 c10::string_view(""));
+  const int64_t m = x.size(0), rows = bucket_rows(m);
+  torch::Tensor in = x.contiguous();
+  if (rows != m) {
+    torch::Tensor padded = torch::zeros({rows, x.size(1)}, x.options());
+    padded.narrow(0, 0, m).copy_(in);
+    in = padded;
+  }
+  torch::Tensor out = op.call(in, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::string_view(""));
+  return rows != m ? out.narrow(0, 0, m) : out;
 }
 
 // One projection: oneDNN packed (0), bf16 GEMV over the plain weight up to four rows, else packed
@@ -99,6 +117,7 @@ class DecodePlan {
     for (const Linear* l : {&qkv, &o, &gate_up, &down}) {
       TORCH_CHECK(l->kind != 1 || k_.gemv_bf16, "fused decode: a GEMV linear without the GEMV kernel");
       TORCH_CHECK(l->kind != 2 || k_.quant_matmul, "fused decode: a quantized linear without its kernel");
+      quantized_ = quantized_ || l->kind == 2;
     }
     layers_.push_back(Layer{in_norm, post_norm, k_cache, v_cache, in_eps, post_eps, scale, heads, kv_heads,
                             head_dim, std::move(qkv), std::move(o), std::move(gate_up), std::move(down)});
@@ -110,7 +129,8 @@ class DecodePlan {
                                                torch::Tensor slots, torch::Tensor block_tables,
                                                torch::Tensor seq_lens) {
     const int64_t m = h.size(0);
-    TORCH_CHECK(m >= 1 && m <= kQuantMaxRows, "fused decode: 1 to ", kQuantMaxRows, " rows");
+    TORCH_CHECK(m >= 1 && (m <= kQuantMaxRows || !quantized_), "fused decode: quantized weights take 1 to ",
+                kQuantMaxRows, " rows");
     torch::Tensor residual;
     for (const Layer& l : layers_) {
       if (!residual.defined()) {
@@ -136,6 +156,7 @@ class DecodePlan {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  bool quantized() const { return quantized_; }
 
  private:
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
@@ -152,6 +173,7 @@ class DecodePlan {
 
   Kernels k_;
   std::vector<Layer> layers_;
+  bool quantized_ = false;  // then at most kQuantMaxRows rows: beyond, the modules dequantize for a GEMM
 };
 
 Linear packed(torch::Tensor packed, Opt bias) {
@@ -189,10 +211,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed);
   m.def("gemv_linear", &gemv);
   m.def("quant_linear", &quantized);
-  m.attr("MAX_ROWS") = kQuantMaxRows;
+  m.attr("QUANT_MAX_ROWS") = kQuantMaxRows;
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<const std::map<std::string, int64_t>&>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("run", &DecodePlan::run)
-      .def("num_layers", &DecodePlan::num_layers);
+      .def("num_layers", &DecodePlan::num_layers)
+      .def("quantized", &DecodePlan::quantized);
 }
