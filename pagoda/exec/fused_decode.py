@@ -8,10 +8,10 @@ modules call (the fused layer ops, the GEMV or oneDNN's packed linears or the qu
 the KV write and paged decode attention), in the same order: the output is the module path's, bit
 for bit. Everything else (prefill and mixed steps, other model shapes) takes the modules.
 
-What it serves: Llama-family layers (Llama, Mistral, Qwen2 with its QKV bias) with a dense MLP,
-without tensor or pipeline parallelism, in float32 or bfloat16 on the CPU, with the C++ paged
-kernels, and linears that are packed (cpu_linear) or quantized with their kernel (quant_linear).
-Qwen3's per-head q/k norms and MoE layers take the modules. PAGODA_NO_FUSED_DECODE=1 turns it off.
+What it serves: Llama-family layers (Llama, Mistral, Qwen2 with its QKV bias, Qwen3 with its
+per-head q/k norms) with a dense MLP, without tensor or pipeline parallelism, in float32 or bfloat16
+on the CPU, with the C++ paged kernels, and linears that are packed (cpu_linear) or quantized with
+their kernel (quant_linear). MoE layers take the modules. PAGODA_NO_FUSED_DECODE=1 turns it off.
 
 The plan holds the tensors it was built with; weight updates copy into them in place, but a packed
 weight or a KV cache may be replaced by a new tensor (weight_tensors, sleep and wake), so each step
@@ -115,8 +115,9 @@ class FusedCPUDecoder:
             if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
                 raise _NotServed(f"layer {i} is not a dense Llama layer")
             attn = layer.self_attn
-            if attn.q_norm is not None:
-                raise _NotServed("per-head q/k norms")
+            qk_norms = attn.q_norm is not None
+            if qk_norms and (attn.q_norm.eps != attn.k_norm.eps or attn.q_norm.weight.dtype != dtype):
+                raise _NotServed("q and k norms that differ")
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 if norm.weight.dtype != dtype:
                     raise _NotServed("norm weights in another dtype")
@@ -128,6 +129,8 @@ class FusedCPUDecoder:
                 self._linear(layer.mlp.gate_up_proj), self._linear(layer.mlp.down_proj),
                 k_cache, v_cache, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
             )
+            if qk_norms:
+                plan.set_qk_norms(attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
         return plan
 
     def _addresses(self) -> dict[str, int]:

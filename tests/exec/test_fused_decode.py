@@ -58,9 +58,9 @@ def _assert_fused_equals_modules(loaded_fn, monkeypatch, quantized: bool = False
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen2", "bfloat16"),
-                                        ("mistral", "float32")])
+                                        ("mistral", "float32"), ("qwen3", "float32"), ("qwen3", "bfloat16")])
 def test_fused_step_equals_the_modules(tmp_path, monkeypatch, arch, dtype):
-    save_tiny_model(arch, tmp_path)  # qwen2: a QKV bias
+    save_tiny_model(arch, tmp_path)  # qwen2: a QKV bias; qwen3: per-head q/k norms
     _assert_fused_equals_modules(lambda: load_model(str(tmp_path), dtype=dtype, device="cpu"), monkeypatch)
 
 
@@ -101,9 +101,9 @@ def test_fused_step_follows_weights_replaced_under_it(tmp_path, monkeypatch):
     assert outputs() == want_b[1:]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_models_it_does_not_serve_take_the_modules(tmp_path, arch):
-    save_tiny_model(arch, tmp_path)  # qwen3: per-head q/k norms; mixtral: experts
+    save_tiny_model(arch, tmp_path)  # experts in every layer, or (qwen3_moe) in some
     llm = make_engine(load_model(str(tmp_path), dtype="float32", device="cpu"), num_gpu_blocks_override=64)
     assert llm.engine.core.runner.fused_decode is None
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], _params(1), use_tqdm=False)

@@ -75,10 +75,21 @@ struct Linear {
 
 struct Layer {
   torch::Tensor in_norm, post_norm, k_cache, v_cache;
+  Opt q_norm, k_norm;  // Qwen3's per-head RMSNorms of q and k
+  double qk_eps = 0.0;
   double in_eps, post_eps, scale;
   int64_t heads, kv_heads, head_dim;
   Linear qkv, o, gate_up, down;
 };
+
+// RMSNorm over [T, heads, D] as layers.rms_norm_reference computes it (the modules take that path
+// for 3-D tensors), with the same ATen ops, so the same bits.
+torch::Tensor head_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  if (x.scalar_type() == torch::kFloat32) return at::rms_norm(x, {x.size(-1)}, weight, eps);
+  torch::Tensor xf = x.to(torch::kFloat32);
+  xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  return weight * xf.to(x.scalar_type());
+}
 
 struct Kernels {
   RmsNormFn rms_norm;
@@ -119,8 +130,20 @@ class DecodePlan {
       TORCH_CHECK(l->kind != 2 || k_.quant_matmul, "fused decode: a quantized linear without its kernel");
       quantized_ = quantized_ || l->kind == 2;
     }
-    layers_.push_back(Layer{in_norm, post_norm, k_cache, v_cache, in_eps, post_eps, scale, heads, kv_heads,
-                            head_dim, std::move(qkv), std::move(o), std::move(gate_up), std::move(down)});
+    Layer l;
+    l.in_norm = in_norm, l.post_norm = post_norm, l.k_cache = k_cache, l.v_cache = v_cache;
+    l.in_eps = in_eps, l.post_eps = post_eps, l.scale = scale;
+    l.heads = heads, l.kv_heads = kv_heads, l.head_dim = head_dim;
+    l.qkv = std::move(qkv), l.o = std::move(o), l.gate_up = std::move(gate_up), l.down = std::move(down);
+    layers_.push_back(std::move(l));
+  }
+
+  // Qwen3: the last added layer's q and k go through per-head RMSNorms before the rotary.
+  void set_qk_norms(torch::Tensor q_norm, torch::Tensor k_norm, double eps) {
+    TORCH_CHECK(!layers_.empty(), "fused decode: no layer to give q/k norms");
+    layers_.back().q_norm = q_norm;
+    layers_.back().k_norm = k_norm;
+    layers_.back().qk_eps = eps;
   }
 
   // h: the embeddings [M, H]. Returns (the last layer's output, the residual stream), which the
@@ -144,6 +167,10 @@ class DecodePlan {
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({m, l.heads, l.head_dim});
       torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({m, l.kv_heads, l.head_dim});
       torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({m, l.kv_heads, l.head_dim});
+      if (l.q_norm.has_value()) {
+        q = head_rms_norm(q, *l.q_norm, l.qk_eps);
+        k = head_rms_norm(k, *l.k_norm, l.qk_eps);
+      }
       k_.rotary_(q, positions, rope_table);
       k_.rotary_(k, positions, rope_table);
       k_.write_kv(l.k_cache, l.v_cache, k, v, slots);
@@ -215,6 +242,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<const std::map<std::string, int64_t>&>())
       .def("add_layer", &DecodePlan::add_layer)
+      .def("set_qk_norms", &DecodePlan::set_qk_norms)
       .def("run", &DecodePlan::run)
       .def("num_layers", &DecodePlan::num_layers)
       .def("quantized", &DecodePlan::quantized);
