@@ -1,7 +1,9 @@
 """The workload the parallel executors are held to: greedy outputs equal to one rank's under chunked
-prefill, prefix caching and preemption."""
+prefill, prefix caching and preemption; and how a test's own gloo rank process ends."""
 
 from __future__ import annotations
+
+import os
 
 from pagoda import LLM
 from pagoda.sampling_params import SamplingParams
@@ -19,3 +21,19 @@ def workload(llm: LLM) -> tuple[list[list[int]], int]:
     stats = llm.engine.core.stats()
     assert stats.prefix_cache_hits > 0  # the shared prefix was served from the cache
     return [o.outputs[0].token_ids for o in outs], stats.num_preemptions
+
+
+def end_rank(rank: int, queue, out) -> None:
+    """A test's rank process: rank 0 sends `out`, then every rank leaves the group and exits at once.
+
+    Skipping the interpreter's teardown: gloo's threads were seen to abort it now and then (SIGABRT,
+    "terminate called without an active exception") after all the work was done and sent."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        queue.put(out)
+        queue.close()
+        queue.join_thread()  # sent before the process ends
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)

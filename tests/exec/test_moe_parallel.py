@@ -17,7 +17,7 @@ from pagoda import LLM
 from pagoda.exec.executor import check_parallel_config
 from pagoda.model.moe import check_expert_split
 from pagoda.model.tensor_parallel import TPGroup
-from parallel_helpers import WORKLOAD_ENGINE_ARGS, workload
+from parallel_helpers import WORKLOAD_ENGINE_ARGS, end_rank, workload
 from tests.tiny_models import save_tiny_model, tiny_config
 
 # name -> (arch, config overrides)
@@ -87,10 +87,7 @@ def _rank_logits(rank: int, world: int, port: int, folders: dict, queue) -> None
                 held = model.model.layers[1].mlp.w13_weight.shape
                 assert held[0] == (2 if name != "mixtral_5" else (2, 3)[rank]) and held[1] == 64, held
             out[(name, ep)] = _logits(model).numpy()  # numpy: a tensor would die with this process
-    if rank == 0:
-        queue.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank(rank, queue, out)
 
 
 @torch.inference_mode()

@@ -16,7 +16,7 @@ from pagoda import LLM
 from pagoda.exec.executor import check_parallel_config
 from pagoda.model.tensor_parallel import TPGroup, check_tp_config, shard_tensor, split_for, unmerge_params
 from pagoda.sampling_params import SamplingParams
-from parallel_helpers import WORKLOAD_ENGINE_ARGS, workload
+from parallel_helpers import WORKLOAD_ENGINE_ARGS, end_rank, workload
 from tests.tiny_models import save_tiny_model
 
 # name -> (arch, config overrides)
@@ -108,10 +108,7 @@ def _rank_logits(rank: int, world: int, port: int, folders: dict, queue) -> None
     for name, folder in folders.items():
         # numpy: a queue passes a tensor by a handle that dies with this process
         out[name] = _logits(load_model_shard(folder, "float32", "cpu", TPGroup(rank, world)).model).numpy()
-    if rank == 0:
-        queue.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank(rank, queue, out)
 
 
 @torch.inference_mode()
