@@ -26,7 +26,6 @@
 namespace {
 
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
-#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 inline bool has_int_dot(int t) { return t == Q8_0 || t == Q4_0 || t == Q4_1 || t == I8; }
 
@@ -36,38 +35,59 @@ struct ActInt8 {
   std::vector<int8_t> q;     // [M, K]
   std::vector<uint8_t> u;    // q + 128, for vpdpbusd's unsigned operand
   std::vector<float> d;      // [M, nb]: x ~ d * q
-  std::vector<float> s;      // [M, nb]: d * sum(q), Q4_1's min term
+  std::vector<float> s;      // [nb, 8]: d * sum(q) of each row (0 past M): Q4_1's min term, one vector a block
 };
 
-inline void quantize_activations(const float* x, int64_t M, int64_t K, ActInt8& a) {
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Both integer paths have AVX2, so the rounding of x is AVX2 code, the same on both.
+TARGET_AVX2 inline void quantize_activations(const float* x, int64_t M, int64_t K, ActInt8& a) {
   a.K = K;
   a.nb = K / 32;
   a.q.resize(M * K);
   a.u.resize(M * K);
   a.d.resize(M * a.nb);
-  a.s.resize(M * a.nb);
+  a.s.assign(a.nb * 8, 0.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t r = 0; r < M * a.nb; r++) {
     const float* v = x + r * 32;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int i = 0; i < 32; i++) {
-      const float m = std::fabs(v[i]);
-      amax = m > amax ? m : amax;
-      finite = finite && std::isfinite(v[i]);
+    __m256 xs[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+      xs[i] = _mm256_loadu_ps(v + 8 * i);
+      const __m256 mag = _mm256_andnot_ps(sign, xs[i]);
+      amax = _mm256_max_ps(amax, mag);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(mag, inf, _CMP_NLT_UQ));  // inf or NaN
     }
-    float d = amax / 127.0f;
-    const float id = d != 0.0f && finite ? 1.0f / d : 0.0f;
-    if (!finite) d = NAN;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const bool finite = _mm256_movemask_ps(bad) == 0;
+    const float d = finite ? _mm_cvtss_f32(m4) / 127.0f : NAN;
+    __m256i packed = _mm256_setzero_si256();
     int sum = 0;
-    for (int i = 0; i < 32; i++) {
-      // Round half to even (the default rounding mode), as numpy's rint does in the tests' model.
-      const int qi = static_cast<int>(std::max(-127.0f, std::min(127.0f, std::nearbyint(v[i] * id))));
-      a.q[r * 32 + i] = static_cast<int8_t>(qi);
-      a.u[r * 32 + i] = static_cast<uint8_t>(qi + 128);
-      sum += qi;
+    if (finite && d != 0.0f) {
+      const __m256 id = _mm256_set1_ps(1.0f / d);
+      __m256i q[4];
+      for (int i = 0; i < 4; i++) {
+        // Round half to even (as numpy's rint in the tests' model of this arithmetic).
+        const __m256 t = _mm256_round_ps(_mm256_mul_ps(xs[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
+      }
+      const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+      s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4E));
+      s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1));
+      sum = _mm_cvtsi128_si32(s2);
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      packed = _mm256_permutevar8x32_epi32(p, order);
     }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&a.q[r * 32]), packed);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&a.u[r * 32]),
+                        _mm256_xor_si256(packed, _mm256_set1_epi8(static_cast<char>(0x80))));
     a.d[r] = d;
-    a.s[r] = d * static_cast<float>(sum);
+    a.s[(r % a.nb) * 8 + r / a.nb] = d * static_cast<float>(sum);
   }
 }
 
@@ -104,19 +124,19 @@ TARGET_VNNI void int_rows_vnni(const uint8_t* w, int64_t row_bytes, const ActInt
   const __m256i zero = _mm256_setzero_si256(), c128 = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t n = n0; n < n1; n++) {
     __m256 acc[MM];
-    float macc[MM];
-    for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps(), macc[m] = 0.0f;
+    __m256 macc = _mm256_setzero_ps();  // lane m: row m's min term
+    for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();
     const uint8_t* blk = w + n * row_bytes;
     for (int64_t b = 0; b < nb; b++, blk += kBytes) {
-      const float dw = T == I8 ? 1.0f : f16_vnni(blk);
+      const __m256 dw = _mm256_set1_ps(T == I8 ? 1.0f : f16_vnni(blk));
       if constexpr (T == Q4_1) {
-        const float mw = f16_vnni(blk + 2);
+        macc = _mm256_fmadd_ps(_mm256_set1_ps(f16_vnni(blk + 2)), _mm256_loadu_ps(&a.s[b * 8]), macc);
         const __m256i wv = nibbles_vnni(blk + 4);
         for (int m = 0; m < MM; m++) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * K + b * 32]));
           const __m256i v = _mm256_dpbusd_epi32(zero, wv, xv);
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dw * a.d[m * nb + b]), acc[m]);
-          macc[m] += mw * a.s[m * nb + b];
+          const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
         }
       } else {
         __m256i wv;
@@ -128,12 +148,15 @@ TARGET_VNNI void int_rows_vnni(const uint8_t* w, int64_t row_bytes, const ActInt
         for (int m = 0; m < MM; m++) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.u[m * K + b * 32]));
           const __m256i v = _mm256_dpbusd_epi32(start, xv, wv);
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dw * a.d[m * nb + b]), acc[m]);
+          const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
         }
       }
     }
+    alignas(32) float mins[8];
+    _mm256_store_ps(mins, macc);
     const float s = scale ? scale[n] : 1.0f;
-    for (int m = 0; m < MM; m++) out[m * ldo + n] = (hsum_vnni(acc[m]) + macc[m]) * s;
+    for (int m = 0; m < MM; m++) out[m * ldo + n] = (hsum_vnni(acc[m]) + mins[m]) * s;
   }
 }
 
@@ -168,19 +191,19 @@ TARGET_AVX2 void int_rows_avx2(const uint8_t* w, int64_t row_bytes, const ActInt
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; n++) {
     __m256 acc[MM];
-    float macc[MM];
-    for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps(), macc[m] = 0.0f;
+    __m256 macc = _mm256_setzero_ps();
+    for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();
     const uint8_t* blk = w + n * row_bytes;
     for (int64_t b = 0; b < nb; b++, blk += kBytes) {
-      const float dw = T == I8 ? 1.0f : f16_avx2(blk);
+      const __m256 dw = _mm256_set1_ps(T == I8 ? 1.0f : f16_avx2(blk));
       if constexpr (T == Q4_1) {
-        const float mw = f16_avx2(blk + 2);
+        macc = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx2(blk + 2)), _mm256_loadu_ps(&a.s[b * 8]), macc);
         const __m256i wv = nibbles_avx2(blk + 4);
         for (int m = 0; m < MM; m++) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * K + b * 32]));
           const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dw * a.d[m * nb + b]), acc[m]);
-          macc[m] += mw * a.s[m * nb + b];
+          const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
         }
       } else {
         __m256i wv;
@@ -192,12 +215,15 @@ TARGET_AVX2 void int_rows_avx2(const uint8_t* w, int64_t row_bytes, const ActInt
         for (int m = 0; m < MM; m++) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * K + b * 32]));
           const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dw * a.d[m * nb + b]), acc[m]);
+          const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
         }
       }
     }
+    alignas(32) float mins[8];
+    _mm256_store_ps(mins, macc);
     const float s = scale ? scale[n] : 1.0f;
-    for (int m = 0; m < MM; m++) out[m * ldo + n] = (hsum_avx2(acc[m]) + macc[m]) * s;
+    for (int m = 0; m < MM; m++) out[m * ldo + n] = (hsum_avx2(acc[m]) + mins[m]) * s;
   }
 }
 

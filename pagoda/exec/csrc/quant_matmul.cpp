@@ -323,7 +323,10 @@ torch::Tensor fused_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
   const float* s = scale ? scale->data_ptr<float>() : nullptr;
   const int isa = g_isa;
   const bool int_dot = (isa == AVX512_VNNI || isa == AVX2_INT8) && has_int_dot(t);
-  ActInt8 xq;
+  // Kept per calling thread so that a step's calls allocate nothing; bound by reference before the
+  // parallel loop, whose threads would otherwise each see their own (empty) copy.
+  static thread_local ActInt8 calling_thread_act;
+  ActInt8& xq = calling_thread_act;
   if (int_dot) quantize_activations(xs, M, K, xq);  // once per call, for every weight row
   // Chunks of 16 rows: few enough per thread to balance, many enough to amortise the loop.
   const int64_t chunks = (N + 15) / 16;
