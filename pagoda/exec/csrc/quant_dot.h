@@ -112,6 +112,38 @@ TARGET_VNNI inline float hsum_vnni(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// One weight block b (at blk) into the rows' accumulators.
+template <int T, int MM>
+TARGET_VNNI __attribute__((always_inline)) inline void block_vnni(const uint8_t* blk, const ActInt8& a, int64_t b,
+    __m256 (&acc)[MM], __m256& macc) {
+  const int64_t K = a.K, nb = a.nb;
+  const __m256i zero = _mm256_setzero_si256(), c128 = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256 dw = _mm256_set1_ps(T == I8 ? 1.0f : f16_vnni(blk));
+  if constexpr (T == Q4_1) {
+    macc = _mm256_fmadd_ps(_mm256_set1_ps(f16_vnni(blk + 2)), _mm256_loadu_ps(&a.s[b * 8]), macc);
+    const __m256i wv = nibbles_vnni(blk + 4);
+    for (int m = 0; m < MM; m++) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * K + b * 32]));
+      const __m256i v = _mm256_dpbusd_epi32(zero, wv, xv);
+      const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
+    }
+  } else {
+    __m256i wv;
+    if constexpr (T == Q4_0)
+      wv = _mm256_sub_epi8(nibbles_vnni(blk + 2), _mm256_set1_epi8(8));
+    else
+      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (T == Q8_0 ? 2 : 0)));
+    const __m256i start = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, c128, wv));
+    for (int m = 0; m < MM; m++) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.u[m * K + b * 32]));
+      const __m256i v = _mm256_dpbusd_epi32(start, xv, wv);
+      const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
+    }
+  }
+}
+
 // out[m * ldo + n] = dequant(w[n]) . x^[m] (times scale[n]) for rows n in [n0, n1). Signed weights
 // (Q8_0, Q4_0 - 8, I8) go as vpdpbusd's signed operand against u = q + 128, the accumulator starting
 // at -128 * (the lanes' weight sums) so that the lanes end at exactly sum(q * w); Q4_1's nibbles are
@@ -120,43 +152,28 @@ template <int T, int MM>
 TARGET_VNNI void int_rows_vnni(const uint8_t* w, int64_t row_bytes, const ActInt8& a, int64_t n0, int64_t n1,
                                float* out, int64_t ldo, const float* scale) {
   constexpr int kBytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_1 ? 20 : 32;
-  const int64_t K = a.K, nb = a.nb;
-  const __m256i zero = _mm256_setzero_si256(), c128 = _mm256_set1_epi8(static_cast<char>(0x80));
+  // Independent accumulators over alternate blocks: with one, a row waits on each FMA's latency.
+  constexpr int kChains = MM == 1 ? 4 : MM == 2 ? 2 : 1;
+  const int64_t nb = a.nb;
   for (int64_t n = n0; n < n1; n++) {
-    __m256 acc[MM];
-    __m256 macc = _mm256_setzero_ps();  // lane m: row m's min term
-    for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();
+    __m256 acc[kChains][MM], macc[kChains];  // macc lane m: row m's min term (Q4_1)
+    for (int c = 0; c < kChains; c++) {
+      macc[c] = _mm256_setzero_ps();
+      for (int m = 0; m < MM; m++) acc[c][m] = _mm256_setzero_ps();
+    }
     const uint8_t* blk = w + n * row_bytes;
-    for (int64_t b = 0; b < nb; b++, blk += kBytes) {
-      const __m256 dw = _mm256_set1_ps(T == I8 ? 1.0f : f16_vnni(blk));
-      if constexpr (T == Q4_1) {
-        macc = _mm256_fmadd_ps(_mm256_set1_ps(f16_vnni(blk + 2)), _mm256_loadu_ps(&a.s[b * 8]), macc);
-        const __m256i wv = nibbles_vnni(blk + 4);
-        for (int m = 0; m < MM; m++) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * K + b * 32]));
-          const __m256i v = _mm256_dpbusd_epi32(zero, wv, xv);
-          const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
-        }
-      } else {
-        __m256i wv;
-        if constexpr (T == Q4_0)
-          wv = _mm256_sub_epi8(nibbles_vnni(blk + 2), _mm256_set1_epi8(8));
-        else
-          wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (T == Q8_0 ? 2 : 0)));
-        const __m256i start = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, c128, wv));
-        for (int m = 0; m < MM; m++) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.u[m * K + b * 32]));
-          const __m256i v = _mm256_dpbusd_epi32(start, xv, wv);
-          const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
-        }
-      }
+    int64_t b = 0;
+    for (; b + kChains <= nb; b += kChains, blk += kChains * kBytes)
+      for (int c = 0; c < kChains; c++) block_vnni<T, MM>(blk + c * kBytes, a, b + c, acc[c], macc[c]);
+    for (; b < nb; b++, blk += kBytes) block_vnni<T, MM>(blk, a, b, acc[0], macc[0]);
+    for (int c = 1; c < kChains; c++) {
+      macc[0] = _mm256_add_ps(macc[0], macc[c]);
+      for (int m = 0; m < MM; m++) acc[0][m] = _mm256_add_ps(acc[0][m], acc[c][m]);
     }
     alignas(32) float mins[8];
-    _mm256_store_ps(mins, macc);
+    _mm256_store_ps(mins, macc[0]);
     const float s = scale ? scale[n] : 1.0f;
-    for (int m = 0; m < MM; m++) out[m * ldo + n] = (hsum_vnni(acc[m]) + mins[m]) * s;
+    for (int m = 0; m < MM; m++) out[m * ldo + n] = (hsum_vnni(acc[0][m]) + mins[m]) * s;
   }
 }
 
@@ -180,6 +197,38 @@ TARGET_AVX2 inline float hsum_avx2(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// One weight block b (at blk) into the rows' accumulators.
+template <int T, int MM>
+TARGET_AVX2 __attribute__((always_inline)) inline void block_avx2(const uint8_t* blk, const ActInt8& a, int64_t b,
+    __m256 (&acc)[MM], __m256& macc) {
+  const int64_t K = a.K, nb = a.nb;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 dw = _mm256_set1_ps(T == I8 ? 1.0f : f16_avx2(blk));
+  if constexpr (T == Q4_1) {
+    macc = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx2(blk + 2)), _mm256_loadu_ps(&a.s[b * 8]), macc);
+    const __m256i wv = nibbles_avx2(blk + 4);
+    for (int m = 0; m < MM; m++) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * K + b * 32]));
+      const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+      const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
+    }
+  } else {
+    __m256i wv;
+    if constexpr (T == Q4_0)
+      wv = _mm256_sub_epi8(nibbles_avx2(blk + 2), _mm256_set1_epi8(8));
+    else
+      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (T == Q8_0 ? 2 : 0)));
+    const __m256i aw = _mm256_sign_epi8(wv, wv);  // |w|; -128 stays 0x80, which is 128 unsigned
+    for (int m = 0; m < MM; m++) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * K + b * 32]));
+      const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+      const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
+    }
+  }
+}
+
 // As int_rows_vnni. vpmaddubsw multiplies unsigned by signed bytes into saturating int16 pairs: Q4_1's
 // nibbles (0-15) are the unsigned side as they are; signed weights go as |w| against x with w's sign
 // (|pair| <= 2 * 128 * 127 < 2^15, so nothing saturates).
@@ -187,43 +236,28 @@ template <int T, int MM>
 TARGET_AVX2 void int_rows_avx2(const uint8_t* w, int64_t row_bytes, const ActInt8& a, int64_t n0, int64_t n1,
                                float* out, int64_t ldo, const float* scale) {
   constexpr int kBytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_1 ? 20 : 32;
-  const int64_t K = a.K, nb = a.nb;
-  const __m256i ones = _mm256_set1_epi16(1);
+  // Independent accumulators over alternate blocks: with one, a row waits on each FMA's latency.
+  constexpr int kChains = MM == 1 ? 4 : MM == 2 ? 2 : 1;
+  const int64_t nb = a.nb;
   for (int64_t n = n0; n < n1; n++) {
-    __m256 acc[MM];
-    __m256 macc = _mm256_setzero_ps();
-    for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();
+    __m256 acc[kChains][MM], macc[kChains];  // macc lane m: row m's min term (Q4_1)
+    for (int c = 0; c < kChains; c++) {
+      macc[c] = _mm256_setzero_ps();
+      for (int m = 0; m < MM; m++) acc[c][m] = _mm256_setzero_ps();
+    }
     const uint8_t* blk = w + n * row_bytes;
-    for (int64_t b = 0; b < nb; b++, blk += kBytes) {
-      const __m256 dw = _mm256_set1_ps(T == I8 ? 1.0f : f16_avx2(blk));
-      if constexpr (T == Q4_1) {
-        macc = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx2(blk + 2)), _mm256_loadu_ps(&a.s[b * 8]), macc);
-        const __m256i wv = nibbles_avx2(blk + 4);
-        for (int m = 0; m < MM; m++) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * K + b * 32]));
-          const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-          const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
-        }
-      } else {
-        __m256i wv;
-        if constexpr (T == Q4_0)
-          wv = _mm256_sub_epi8(nibbles_avx2(blk + 2), _mm256_set1_epi8(8));
-        else
-          wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (T == Q8_0 ? 2 : 0)));
-        const __m256i aw = _mm256_sign_epi8(wv, wv);  // |w|; -128 stays 0x80, which is 128 unsigned
-        for (int m = 0; m < MM; m++) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * K + b * 32]));
-          const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
-          const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&a.d[m * nb + b]));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, acc[m]);
-        }
-      }
+    int64_t b = 0;
+    for (; b + kChains <= nb; b += kChains, blk += kChains * kBytes)
+      for (int c = 0; c < kChains; c++) block_avx2<T, MM>(blk + c * kBytes, a, b + c, acc[c], macc[c]);
+    for (; b < nb; b++, blk += kBytes) block_avx2<T, MM>(blk, a, b, acc[0], macc[0]);
+    for (int c = 1; c < kChains; c++) {
+      macc[0] = _mm256_add_ps(macc[0], macc[c]);
+      for (int m = 0; m < MM; m++) acc[0][m] = _mm256_add_ps(acc[0][m], acc[c][m]);
     }
     alignas(32) float mins[8];
-    _mm256_store_ps(mins, macc);
+    _mm256_store_ps(mins, macc[0]);
     const float s = scale ? scale[n] : 1.0f;
-    for (int m = 0; m < MM; m++) out[m * ldo + n] = (hsum_avx2(acc[m]) + mins[m]) * s;
+    for (int m = 0; m < MM; m++) out[m * ldo + n] = (hsum_avx2(acc[0][m]) + mins[m]) * s;
   }
 }
 
