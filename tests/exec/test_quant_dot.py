@@ -133,3 +133,22 @@ def test_auto_picks_the_integer_path_and_names_are_checked(ops):
         with pytest.raises(RuntimeError, match="this CPU cannot run avx512_vnni"):
             ops.set_isa("avx512_vnni")
     ops.set_isa("auto")
+
+
+def test_pagoda_quant_isa_picks_the_path_of_a_fresh_process():
+    """PAGODA_QUANT_ISA, read when the kernels load, names the float paths and the integer ones."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = "from pagoda.exec.quant_linear import load_quant_kernels; print(load_quant_kernels().isa())"
+    for name in (None, FLOAT_OF[INT_ISAS[-1]], INT_ISAS[0]):
+        env = {k: v for k, v in os.environ.items() if k != "PAGODA_QUANT_ISA"}
+        env["PYTHONPATH"] = str(root)
+        if name:
+            env["PAGODA_QUANT_ISA"] = name
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] == (name or INT_ISAS[-1])
