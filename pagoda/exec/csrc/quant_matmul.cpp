@@ -12,9 +12,8 @@
 // The block formats and their arithmetic are ggml's (and gguf-py's `gguf.quants.dequantize`): the
 // scalar code (quant_blocks.h) is that arithmetic written out; the AVX-512 and AVX2 float versions
 // of the hot types compute the same values (one FMA where gguf-py rounds a multiply and an add:
-// within fp32 rounding).
-// Which one runs is chosen at run time from the CPU (`__builtin_cpu_supports`: the integer paths where
-// they run), or forced with `set_isa` (tests run every path on one machine).
+// within fp32 rounding). Which one runs is chosen at run time from the CPU (`__builtin_cpu_supports`:
+// the integer paths where they run), or forced with `set_isa` (tests run every path on one machine).
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
