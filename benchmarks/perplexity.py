@@ -13,6 +13,9 @@ Configs (all on the default model, SmolLM2-135M-Instruct, whose only weights are
 float32 dequantization is the reference):
   fp32   the GGUF dequantized to float32 (the unquantized path)
   gguf   the Q4_1 blocks kept packed (--quantization gguf), activations in float32
+  gguf-8 the same, the prompts fed 8 tokens a step (--max-num-batched-tokens 8): every linear takes
+         the few-rows path that decoding takes, by default the integer dot products (activations
+         rounded to int8 per 32-block); PAGODA_QUANT_ISA=avx512 (or avx2) scores its float path
   int8   the float32 weights made int8 per output channel (--quantization int8)
   q8_0   a Q8_0 GGUF written from the float32 weights with gguf-py, run packed
   llama.cpp  `llama-perplexity` on the Q4_1 file (PEER_CACHE/llama.cpp-build/bin, built beside the
@@ -36,18 +39,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TEXT = ROOT / "tests" / "data" / "opticks_excerpt.txt"
-CONFIGS = ("fp32", "gguf", "int8", "q8_0")
+CONFIGS = ("fp32", "gguf", "gguf-8", "int8", "q8_0")
 
 
 def chunks(ids: list[int], ctx: int) -> list[list[int]]:
     return [ids[i * ctx:(i + 1) * ctx] for i in range(len(ids) // ctx)]
 
 
-def pagoda_perplexity(model: str | None, ids: list[int], ctx: int, quantization: str | None, bos: int | None) -> float:
+def pagoda_perplexity(model: str | None, ids: list[int], ctx: int, quantization: str | None, bos: int | None,
+                      **engine_args) -> float:
     from pagoda import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="float32", quantization=quantization, max_model_len=max(ctx + 8, 1024),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **engine_args)
     prompts = []
     for chunk in chunks(ids, ctx):
         chunk = list(chunk)
@@ -135,6 +139,8 @@ def main() -> None:
                 ppl = pagoda_perplexity(None, ids, args.ctx, None, bos)
             elif config == "gguf":
                 ppl = pagoda_perplexity(None, ids, args.ctx, "gguf", bos)
+            elif config == "gguf-8":
+                ppl = pagoda_perplexity(None, ids, args.ctx, "gguf", bos, max_num_batched_tokens=8)
             elif config == "int8":
                 ppl = pagoda_perplexity(None, ids, args.ctx, "int8", bos)
             else:

@@ -1,11 +1,15 @@
 """CPU kernels for weights kept quantized (csrc/quant_matmul.cpp), given to the model's quantized
 layers (model/quantized.py) the way cpu_linear gives its linears oneDNN's packed path.
 
-For up to 8 rows (decode, small batches) each weight row's blocks are dequantized in cache and
-multiplied into every activation row at once: the weights are read once per step in their packed
-size. For more rows the weight is dequantized (whole, or in tiles for a large head) to the
-activations' dtype and multiplied by oneDNN's GEMM, whose cost the dequantization barely adds to. The instruction set (AVX-512, AVX2, scalar) is picked at run time from
-the CPU; PAGODA_QUANT_ISA=avx2|scalar forces a narrower one.
+For up to 8 rows (decode, small batches) each weight row's blocks are multiplied into every
+activation row at once: the weights are read once per step in their packed size. For Q8_0, Q4_0,
+Q4_1 and int8 the activations are rounded to int8 per 32-block and the dot products taken in
+integers (AVX512-VNNI or AVX2, as llama.cpp does; csrc/quant_dot.h states the bound), the other
+types dequantize each block in cache. For more rows the weight is dequantized (whole, or in tiles
+for a large head) to the activations' dtype and multiplied by oneDNN's GEMM, whose cost the
+dequantization barely adds to. The path is picked at run time from the CPU (avx512_vnni, else
+avx2_int8, else scalar); PAGODA_QUANT_ISA forces another: avx512 or avx2 (the float paths, dot
+products in fp32 over dequantized blocks), avx2_int8, scalar.
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
 // Matmuls over weights kept quantized: GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and int8
 // rows with a per-output-channel scale, read straight from their packed bytes.
 //
-// Few rows (decode, small batches): each output row's blocks are dequantized into a buffer that
-// never leaves L1 and multiplied into every activation row at once (fp32 FMAs), so the weights are
-// read from memory once per step in their quantized size. Many rows (prefill): a tile of weight rows
-// is dequantized to the activations' dtype and handed to torch's GEMM, so the dequantization is paid
-// once per tile for all rows.
+// Few rows (decode, small batches): the weights are read from memory once per step in their quantized
+// size, each output row's blocks multiplied into every activation row at once. For Q8_0, Q4_0, Q4_1
+// and int8 rows the activations are rounded to int8 and each block's dot product is taken in integers
+// (quant_dot.h, as ggml does; its header states the precision); the other types, or the float paths
+// when forced, dequantize each block into a buffer that never leaves L1 (fp32 FMAs). Many rows
+// (prefill): a tile of weight rows is dequantized to the activations' dtype and handed to torch's
+// GEMM, so the dequantization is paid once per tile for all rows.
 //
 // The block formats and their arithmetic are ggml's (and gguf-py's `gguf.quants.dequantize`): the
-// scalar code below is that arithmetic written out; the AVX-512 and AVX2 versions of the hot types
-// compute the same values (one FMA where gguf-py rounds a multiply and an add: within fp32 rounding).
-// Which one runs is chosen at run time from the CPU (`__builtin_cpu_supports`), or forced with
-// `set_isa` (tests run every path on one machine).
+// scalar code (quant_blocks.h) is that arithmetic written out; the AVX-512 and AVX2 float versions
+// of the hot types compute the same values (one FMA where gguf-py rounds a multiply and an add:
+// within fp32 rounding). Which one runs is chosen at run time from the CPU (`__builtin_cpu_supports`:
+// the integer paths where they run), or forced with `set_isa` (tests run every path on one machine).
 #include <torch/extension.h>
-#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -22,147 +23,40 @@
 #include <map>
 #include <string>
 
+#include "quant_blocks.h"
+#include "quant_dot.h"
+
 namespace {
 
-// ggml's type ids; I8 is int8 rows whose scale is given per row.
-enum QType : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, I8 = 24 };
+// The float paths, and the integer ones (quant_dot.h: int8 dot products for Q8_0, Q4_0, Q4_1 and I8)
+// on top of AVX2 or AVX-512, whose float code serves the other types and every dequantization.
+enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX2_INT8 = 3, AVX512_VNNI = 4 };
+const char* const kIsaNames[] = {"scalar", "avx2", "avx512", "avx2_int8", "avx512_vnni"};
 
-struct Layout {
-  int elems;  // weights per block
-  int bytes;  // bytes per block
-};
+int float_isa(int isa) { return isa == AVX512_VNNI ? AVX512 : isa == AVX2_INT8 ? AVX2 : isa; }
 
-Layout layout(int64_t t) {
-  switch (t) {
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q8_0: return {32, 34};
-    case Q4_K: return {256, 144};
-    case Q5_K: return {256, 176};
-    case Q6_K: return {256, 210};
-    case I8: return {32, 32};
+bool cpu_runs(int isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  switch (isa) {
+    case AVX2: case AVX2_INT8: return avx2;
+    case AVX512: return avx512;
+    case AVX512_VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
   }
-  TORCH_CHECK(false, "quant_matmul: unsupported quantization type id ", t);
+  return true;
 }
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-}
-
-// Q4_K and Q5_K pack eight 6-bit scales and eight 6-bit mins into 12 bytes.
-inline void scale_min_k4(int j, const uint8_t* q, float* sc, float* mn) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *mn = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
-void dequant_scalar(int t, const uint8_t* b, float* y) {
-  switch (t) {
-    case Q8_0: {
-      const float d = half_at(b);
-      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-      for (int i = 0; i < 32; i++) y[i] = d * q[i];
-      return;
-    }
-    case Q4_0: {
-      const float d = half_at(b);
-      const uint8_t* q = b + 2;
-      for (int i = 0; i < 16; i++) {
-        y[i] = d * ((q[i] & 0xF) - 8);
-        y[i + 16] = d * ((q[i] >> 4) - 8);
-      }
-      return;
-    }
-    case Q4_1: {
-      const float d = half_at(b), m = half_at(b + 2);
-      const uint8_t* q = b + 4;
-      for (int i = 0; i < 16; i++) {
-        y[i] = d * (q[i] & 0xF) + m;
-        y[i + 16] = d * (q[i] >> 4) + m;
-      }
-      return;
-    }
-    case I8: {
-      for (int i = 0; i < 32; i++) y[i] = static_cast<int8_t>(b[i]);
-      return;
-    }
-    case Q4_K: {
-      const float d = half_at(b), dmin = half_at(b + 2);
-      const uint8_t* scales = b + 4;
-      const uint8_t* q = b + 16;
-      for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
-        float sc, mn;
-        scale_min_k4(is, scales, &sc, &mn);
-        const float d1 = d * sc, m1 = dmin * mn;
-        scale_min_k4(is + 1, scales, &sc, &mn);
-        const float d2 = d * sc, m2 = dmin * mn;
-        for (int l = 0; l < 32; l++) y[j + l] = d1 * (q[l] & 0xF) - m1;
-        for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * (q[l] >> 4) - m2;
-      }
-      return;
-    }
-    case Q5_K: {
-      const float d = half_at(b), dmin = half_at(b + 2);
-      const uint8_t* scales = b + 4;
-      const uint8_t* qh = b + 16;
-      const uint8_t* ql = b + 48;
-      uint8_t u1 = 1, u2 = 2;
-      for (int j = 0, is = 0; j < 256; j += 64, is += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
-        float sc, mn;
-        scale_min_k4(is, scales, &sc, &mn);
-        const float d1 = d * sc, m1 = dmin * mn;
-        scale_min_k4(is + 1, scales, &sc, &mn);
-        const float d2 = d * sc, m2 = dmin * mn;
-        for (int l = 0; l < 32; l++) y[j + l] = d1 * ((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
-        for (int l = 0; l < 32; l++) y[j + 32 + l] = d2 * ((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
-      }
-      return;
-    }
-    case Q6_K: {
-      const uint8_t* ql = b;
-      const uint8_t* qh = b + 128;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = half_at(b + 208);
-      for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
-        for (int l = 0; l < 32; l++) {
-          const int is = l / 16;
-          const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-          const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-          const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-          const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-          y[n + l] = d * sc[is + 0] * q1;
-          y[n + l + 32] = d * sc[is + 2] * q2;
-          y[n + l + 64] = d * sc[is + 4] * q3;
-          y[n + l + 96] = d * sc[is + 6] * q4;
-        }
-      }
-      return;
-    }
-  }
-}
-
-enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 
 int detect_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    return AVX512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return AVX2;
+  for (int isa : {AVX512_VNNI, AVX2_INT8})
+    if (cpu_runs(isa)) return isa;
   return SCALAR;
 }
 
 int g_isa = detect_isa();
 
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
-#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // ---- AVX-512: the 32-weight blocks as two vectors of 16 -------------------------------------------
 
@@ -271,13 +165,6 @@ TARGET_AVX2 inline void dequant_avx2(int t, const uint8_t* b, float* y) {
     default:
       dequant_scalar(t, b, y);
   }
-}
-
-TARGET_AVX2 inline float hsum_avx2(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 template <int MM>
@@ -393,7 +280,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t t, int64_t K, cons
   const int64_t row_bytes = w.size(1);
   const float* s = scale ? scale->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
-  const int isa = g_isa;
+  const int isa = float_isa(g_isa);
 #pragma omp parallel for schedule(static) if (count * K > 16384)
   for (int64_t r = 0; r < count; r++)
     dequant_row(isa, t, base + (start + r) * row_bytes, K, s ? s[start + r] : 1.0f, o + r * K);
@@ -414,7 +301,7 @@ torch::Tensor gather_rows(const torch::Tensor& w, int64_t t, int64_t K, const c1
   const int64_t row_bytes = w.size(1);
   const float* s = scale ? scale->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
-  const int isa = g_isa;
+  const int isa = float_isa(g_isa);
 #pragma omp parallel for schedule(static) if (n * K > 16384)
   for (int64_t i = 0; i < n; i++) dequant_row(isa, t, base + id[i] * row_bytes, K, s ? s[id[i]] : 1.0f, o + i * K);
   return out;
@@ -436,12 +323,21 @@ torch::Tensor fused_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
   float* o = out.data_ptr<float>();
   const float* s = scale ? scale->data_ptr<float>() : nullptr;
   const int isa = g_isa;
+  const bool int_dot = (isa == AVX512_VNNI || isa == AVX2_INT8) && has_int_dot(t);
+  // Kept per calling thread so that a step's calls allocate nothing; bound by reference before the
+  // parallel loop, whose threads would otherwise each see their own (empty) copy.
+  static thread_local ActInt8 calling_thread_act;
+  ActInt8& xq = calling_thread_act;
+  if (int_dot) quantize_activations(xs, M, K, xq);  // once per call, for every weight row
   // Chunks of 16 rows: few enough per thread to balance, many enough to amortise the loop.
   const int64_t chunks = (N + 15) / 16;
 #pragma omp parallel for schedule(static) if (N * K > 32768)
   for (int64_t c = 0; c < chunks; c++) {
     const int64_t n0 = c * 16, n1 = std::min<int64_t>(N, n0 + 16);
-    rows_any(isa, t, base, row_bytes, xs, M, K, n0, n1, o, N, s);
+    if (int_dot)
+      int_rows_any(isa == AVX512_VNNI, t, M, base, row_bytes, xq, n0, n1, o, N, s);
+    else
+      rows_any(float_isa(isa), t, base, row_bytes, xs, M, K, n0, n1, o, N, s);
   }
   return out;
 }
@@ -470,18 +366,21 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
 }
 
 void set_isa(const std::string& name) {
-  if (name == "auto") g_isa = detect_isa();
-  else if (name == "avx512") {
-    TORCH_CHECK(detect_isa() >= AVX512, "this CPU lacks AVX-512");
-    g_isa = AVX512;
-  } else if (name == "avx2") {
-    TORCH_CHECK(detect_isa() >= AVX2, "this CPU lacks AVX2");
-    g_isa = AVX2;
-  } else if (name == "scalar") g_isa = SCALAR;
-  else TORCH_CHECK(false, "set_isa: auto, avx512, avx2 or scalar; got ", name);
+  if (name == "auto") {
+    g_isa = detect_isa();
+    return;
+  }
+  for (int isa = SCALAR; isa <= AVX512_VNNI; isa++) {
+    if (name == kIsaNames[isa]) {
+      TORCH_CHECK(cpu_runs(isa), "set_isa: this CPU cannot run ", name);
+      g_isa = isa;
+      return;
+    }
+  }
+  TORCH_CHECK(false, "set_isa: auto, avx512_vnni, avx2_int8, avx512, avx2 or scalar; got ", name);
 }
 
-std::string isa() { return g_isa == AVX512 ? "avx512" : g_isa == AVX2 ? "avx2" : "scalar"; }
+std::string isa() { return kIsaNames[g_isa]; }
 
 }  // namespace
 
@@ -490,7 +389,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_matmul", &fused_matmul, "the few-rows path of quant_matmul (float32)");
   m.def("dequantize_rows", &dequantize_rows, "rows [start, start + count) of w as float32");
   m.def("gather_rows", &gather_rows, "the rows `ids` of w as float32 (embedding lookup)");
-  m.def("set_isa", &set_isa, "force the instruction set: auto, avx512, avx2 or scalar");
+  m.def("set_isa", &set_isa, "force the path: auto, avx512_vnni, avx2_int8 (int8 dots), avx512, avx2, scalar");
   m.def("isa", &isa, "the instruction set in use");
   // Entry points for the fused decode step (exec/csrc/fused_decode.cpp), which calls them from C++.
   m.def("_addresses", [] { return std::map<std::string, int64_t>{{"quant_matmul", reinterpret_cast<int64_t>(&quant_matmul)}}; });
