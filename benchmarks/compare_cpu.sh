@@ -320,7 +320,7 @@ for peer in $SERVE_PEERS; do
 done
 
 echo
-"$PYTHON" "$TOOLS" table "$OUT" | tee "$OUT/table.md"
+QUANTIZATION="${QUANTIZATION:-}" GGUF="$GGUF" "$PYTHON" "$TOOLS" table "$OUT" | tee "$OUT/table.md"
 if [ -d "$OUT/cpu-serve" ]; then
     echo
     "$PYTHON" "$TOOLS" serve-table "$OUT/cpu-serve" | tee "$OUT/cpu-serve-table.md"

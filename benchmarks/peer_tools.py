@@ -13,6 +13,7 @@ peers, and print the comparison table. Each is a subcommand so the shell script 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import statistics
 import sys
@@ -166,12 +167,18 @@ def decode_bound(out_dir: Path) -> str | None:
         return None
     import torch
 
-    elt = torch.empty((), dtype=getattr(torch, rate["dtype"])).element_size()
-    weight_bytes = (rate["non_embedding_params"] + rate["lm_head_params"]) * elt
+    quantization = os.environ.get("QUANTIZATION") or None
+    if quantization == "gguf":  # the blocks as the file holds them, read once a step (the tied head too)
+        weight_bytes, kind = os.path.getsize(os.environ["GGUF"]), "packed GGUF"
+    elif quantization is None:
+        elt = torch.empty((), dtype=getattr(torch, rate["dtype"])).element_size()
+        weight_bytes, kind = (rate["non_embedding_params"] + rate["lm_head_params"]) * elt, rate["dtype"]
+    else:
+        return None
     bound = rate["read_gb_s"] * 1e9 / weight_bytes
     reached = json.loads(latency.read_text())["results"][0]["pagoda"]["decode_tokens_per_s"]
     return (
-        f"Single-stream bound: {weight_bytes / 1e6:.0f} MB of {rate['dtype']} weights per token at a "
+        f"Single-stream bound: {weight_bytes / 1e6:.0f} MB of {kind} weights per token at a "
         f"{rate['read_gb_s']:.1f} GB/s read rate = {bound:.0f} tok/s; Pagoda offline decodes {reached:.1f} "
         f"({100 * reached / bound:.0f} % of it)."
     )
