@@ -224,6 +224,9 @@ def test_smollm2_q4_1_integer_dots_follow_transformers(smollm2_hf_greedy32, smol
             return real.quant_matmul(x, *args)
 
     monkeypatch.setattr(quant_linear, "load_quant_kernels", Counted)
+    # The modules' path, whose kernel calls go through Python and can be counted; the fused decode
+    # step calls the same kernel from C++ and gives the same bits (tests/exec/test_fused_decode.py).
+    monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", "1")
     packed = load_model(None, dtype="float32", quantization="gguf")
     llm = make_engine(packed, num_gpu_blocks_override=512, max_num_seqs=8)
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
