@@ -215,6 +215,7 @@ class WeightLifecycle:
         t0 = time.monotonic()
         new, fresh = u.loaded
         copied = copy_weights(weight_slots(core.runner.model, core.runner.compute_logits), fresh)
+        _release_fused_plan(core)  # it held the packed weights just handed over
         core.kv_manager.flush_prefix_cache()
         previous = self.version
         self.version, self.loaded_at, self.model_path = u.version, time.time(), str(new.source.path)
@@ -259,6 +260,7 @@ class WeightLifecycle:
         kv_bytes = core.kv_cache.release_blocks(pool.release_reusable(pool.num_reusable_blocks))
         weight_bytes = 0
         if level == 2 and self._parked is None:
+            _release_fused_plan(core)  # it holds the packed weights that parking frees
             self._parked = park_weights(weight_slots(core.runner.model, core.runner.compute_logits))
             weight_bytes = self._parked.nbytes
         gc.collect()
@@ -277,3 +279,9 @@ class WeightLifecycle:
         if was:
             logger.info("awake (was at level %d) in %.3f s", was, time.monotonic() - t0)
         return {"was_level": was, "wake_s": time.monotonic() - t0}
+
+
+def _release_fused_plan(core: Any) -> None:
+    """The fused CPU decode step keeps the tensors it was built with; let the replaced ones go now."""
+    if core.runner.fused_decode is not None:
+        core.runner.fused_decode.release()

@@ -15,7 +15,8 @@ their kernel (quant_linear). MoE layers take the modules. PAGODA_NO_FUSED_DECODE
 
 The plan holds the tensors it was built with; weight updates copy into them in place, but a packed
 weight or a KV cache may be replaced by a new tensor (weight_tensors, sleep and wake), so each step
-first checks that the modules still hold the plan's tensors and rebuilds it when not.
+first checks that the modules still hold the plan's tensors and rebuilds it when not; sleep calls
+`release` so that the packed weights it drops are freed.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class FusedCPUDecoder:
         self.model, self.backend, self.ops = model, backend, ops
         self._held: list[tuple[Any, str, Any]] = []  # (owner, attribute, the tensor the plan holds)
         self.plan = self._build()
+        self.quantized = self.plan.quantized()
 
     @classmethod
     def create(cls, model: nn.Module, backend: Any, device: torch.device) -> FusedCPUDecoder | None:
@@ -85,10 +87,10 @@ class FusedCPUDecoder:
     def can_run(self, meta: PagedAttentionMetadata, num_tokens: int) -> bool:
         if meta.num_decodes != num_tokens or meta.num_actual_tokens is not None:
             return False
-        return num_tokens <= QUANT_MAX_ROWS or not self.plan.quantized()
+        return num_tokens <= QUANT_MAX_ROWS or not self.quantized
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
-        if any(getattr(owner, attr) is not held for owner, attr, held in self._held):
+        if self.plan is None or any(getattr(owner, attr) is not held for owner, attr, held in self._held):
             self.plan = self._build()
         inner = self.model.model
         nd = meta.num_decodes
@@ -96,6 +98,11 @@ class FusedCPUDecoder:
         h, residual = self.plan.run(inner.embed_tokens(input_ids), positions, table, meta.slot_mapping,
                                     meta.block_tables[:nd], meta.seq_lens[:nd])
         return inner.norm.add_forward(h, residual)[0]
+
+    def release(self) -> None:
+        """Let go of the plan's tensors (sleep drops packed weights, which the plan would keep
+        alive); the next step builds it again."""
+        self.plan, self._held = None, []
 
     # -- building the plan ------------------------------------------------------------------------
     def _build(self):

@@ -6,6 +6,9 @@ models it does not serve."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -96,7 +99,10 @@ def test_fused_step_follows_weights_replaced_under_it(tmp_path, monkeypatch):
                 for o in llm.generate(batch, params, use_tqdm=False)]
 
     assert outputs() == want_b[1:]
+    packed = weakref.ref(llm.engine.core.runner.model.model.layers[0].mlp.down_proj.packed)
     llm.sleep(level=2)
+    gc.collect()
+    assert packed() is None  # parking freed the packed weight: the plan let go of it
     llm.wake_up()
     assert outputs() == want_b[1:]
 
