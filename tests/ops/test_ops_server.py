@@ -5,8 +5,11 @@ back to zero, prefix-cache and preemption counters, request timelines, JSON logs
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -116,12 +119,35 @@ def test_counters_and_histograms_count_n_requests_exactly(server):
 
 def test_gauges_return_to_zero_after_a_cancelled_stream(server):
     before = idle(server)
-    with httpx.Client(timeout=60) as client:
-        with client.stream("POST", f"{server.base_url}/completions",
-                           json={"prompt": [3] * 20, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    break  # one token arrived: the request is running; now hang up
+    core = int(re.findall(r"core pid (\d+)", server.log_tail(1_000_000))[-1])
+    # The engine core runs in 5 ms bursts until the first token has reached this client, then stays
+    # frozen while it hangs up: so the request is surely cancelled mid-way, however fast the engine
+    # would have finished its 236 tokens.
+    first_token = threading.Event()
+
+    def bursts() -> None:
+        while not first_token.is_set():
+            os.kill(core, signal.SIGCONT)
+            time.sleep(0.005)
+            os.kill(core, signal.SIGSTOP)
+            first_token.wait(0.05)
+
+    os.kill(core, signal.SIGSTOP)
+    pulse = threading.Thread(target=bursts)
+    pulse.start()
+    try:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{server.base_url}/completions",
+                               json={"prompt": [3] * 20, "max_tokens": 236, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        first_token.set()
+                        pulse.join()
+                        break  # one token arrived: the request is running; now hang up
+    finally:
+        first_token.set()
+        pulse.join()
+        os.kill(core, signal.SIGCONT)
     after = idle(server)
     key = ("pagoda:request_success_total", (("finished_reason", "abort"),))
     assert after[key] - before.get(key, 0) == 1
@@ -140,33 +166,23 @@ def test_prefix_cache_hit_counter_rises_for_a_repeated_prompt(server):
 
 def test_forced_preemption_counts_and_shows_in_the_timeline(server):
     before = idle(server)
-    ids = []
     # Each grows to 40 + 200 = 240 tokens (15 blocks); any two together need 30 blocks > 23 usable.
-    # Four requests sent at once (a barrier) still reach the server tens of milliseconds apart (each
-    # thread's httpx.post builds a client and an SSL context under the GIL), but two of them overlap
-    # and must preempt unless those gaps grew to a whole request's run time.
+    # The four prompts come in one completion, so they are admitted together and must preempt, however
+    # fast the engine runs a request (four separate requests arrived tens of milliseconds apart, and a
+    # fast enough engine finished each before the next came).
     prompts = [[11 + i] * 40 for i in range(4)]
-    start = threading.Barrier(len(prompts))
-
-    def send(prompt):
-        start.wait()
-        ids.append(complete(server, prompt, 200)["id"])
-
-    threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    r = httpx.post(f"{server.base_url}/completions", timeout=60,
+                   json={"prompt": prompts, "max_tokens": 200, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 4
     after = idle(server)
     assert after[("pagoda:num_preemptions_total", ())] - before[("pagoda:num_preemptions_total", ())] >= 1
-    timelines = {}
-    for rid in ids:
-        r = httpx.get(f"{server.base_url}/requests/{rid}/timeline")
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["request_id"] == rid and len(body["sequences"]) == 1
-        timelines[rid] = body["sequences"][0]
-    preempted = [t for t in timelines.values() if t["num_preemptions"]]
+    r = httpx.get(f"{server.base_url}/requests/{rid}/timeline")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["request_id"] == rid and len(body["sequences"]) == 4  # one per prompt
+    preempted = [t for t in body["sequences"] if t["num_preemptions"]]
     assert preempted
     events = [e["event"] for e in preempted[0]["events"]]
     i = events.index("preempted")
