@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from pagoda import LLM
 from pagoda.sampling_params import SamplingParams
 
@@ -37,3 +39,19 @@ def end_rank(rank: int, queue, out) -> None:
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
+
+
+@torch.inference_mode()
+def prompt_and_decode_logits(model) -> torch.Tensor:
+    """[9, vocab] logits of `model` over a 7-token prompt and two decode steps after it, through the
+    contiguous reference cache: what a rank's shard and the whole model are compared on."""
+    from pagoda.model.attention import AttentionContext, ContiguousKVBackend, ContiguousMetadata
+
+    backend = ContiguousKVBackend()
+    ids = [3, 17, 250, 9, 101, 44, 500]
+    h = model(torch.tensor(ids), torch.arange(len(ids)), AttentionContext(backend, ContiguousMetadata([0], [len(ids)])))
+    rows = [model.compute_logits(h)]
+    for pos, tok in ((7, 12), (8, 480)):
+        h = model(torch.tensor([tok]), torch.tensor([pos]), AttentionContext(backend, ContiguousMetadata([0], [1])))
+        rows.append(model.compute_logits(h))
+    return torch.cat(rows)

@@ -17,7 +17,7 @@ from pagoda import LLM
 from pagoda.exec.executor import check_parallel_config
 from pagoda.model.moe import check_expert_split
 from pagoda.model.tensor_parallel import TPGroup
-from parallel_helpers import WORKLOAD_ENGINE_ARGS, end_rank, workload
+from parallel_helpers import WORKLOAD_ENGINE_ARGS, end_rank, prompt_and_decode_logits, workload
 from tests.tiny_models import save_tiny_model, tiny_config
 
 # name -> (arch, config overrides)
@@ -86,22 +86,8 @@ def _rank_logits(rank: int, world: int, port: int, folders: dict, queue) -> None
             if ep:  # whole experts: this rank's share of them, every row of each
                 held = model.model.layers[1].mlp.w13_weight.shape
                 assert held[0] == (2 if name != "mixtral_5" else (2, 3)[rank]) and held[1] == 64, held
-            out[(name, ep)] = _logits(model).numpy()  # numpy: a tensor would die with this process
+            out[(name, ep)] = prompt_and_decode_logits(model).numpy()  # numpy: a tensor would die with this process
     end_rank(rank, queue, out)
-
-
-@torch.inference_mode()
-def _logits(model) -> torch.Tensor:
-    from pagoda.model.attention import AttentionContext, ContiguousKVBackend, ContiguousMetadata
-
-    backend = ContiguousKVBackend()
-    ids = [3, 17, 250, 9, 101, 44, 500]
-    h = model(torch.tensor(ids), torch.arange(len(ids)), AttentionContext(backend, ContiguousMetadata([0], [len(ids)])))
-    rows = [model.compute_logits(h)]
-    for pos, tok in ((7, 12), (8, 480)):
-        h = model(torch.tensor([tok]), torch.tensor([pos]), AttentionContext(backend, ContiguousMetadata([0], [1])))
-        rows.append(model.compute_logits(h))
-    return torch.cat(rows)
 
 
 @pytest.mark.slow
@@ -126,7 +112,7 @@ def test_tp2_and_expert_parallel_logits_equal_tp1_within_1e4(folders):
         p.join(30)
         assert p.exitcode == 0
     for name, folder in folders.items():
-        want = _logits(load_model(folder, "float32").model)
+        want = prompt_and_decode_logits(load_model(folder, "float32").model)
         for ep in (False, True):
             ours = torch.from_numpy(got[(name, ep)])
             assert ours.shape == want.shape == (9, 512)

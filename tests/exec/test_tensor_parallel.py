@@ -16,7 +16,7 @@ from pagoda import LLM
 from pagoda.exec.executor import check_parallel_config
 from pagoda.model.tensor_parallel import TPGroup, check_tp_config, shard_tensor, split_for, unmerge_params
 from pagoda.sampling_params import SamplingParams
-from parallel_helpers import WORKLOAD_ENGINE_ARGS, end_rank, workload
+from parallel_helpers import WORKLOAD_ENGINE_ARGS, end_rank, prompt_and_decode_logits, workload
 from tests.tiny_models import save_tiny_model
 
 # name -> (arch, config overrides)
@@ -107,23 +107,9 @@ def _rank_logits(rank: int, world: int, port: int, folders: dict, queue) -> None
     out = {}
     for name, folder in folders.items():
         # numpy: a queue passes a tensor by a handle that dies with this process
-        out[name] = _logits(load_model_shard(folder, "float32", "cpu", TPGroup(rank, world)).model).numpy()
+        shard = load_model_shard(folder, "float32", "cpu", TPGroup(rank, world)).model
+        out[name] = prompt_and_decode_logits(shard).numpy()
     end_rank(rank, queue, out)
-
-
-@torch.inference_mode()
-def _logits(model) -> torch.Tensor:
-    from pagoda.model.attention import AttentionContext, ContiguousKVBackend, ContiguousMetadata
-
-    backend = ContiguousKVBackend()
-    ids = [3, 17, 250, 9, 101, 44, 500]
-    rows = []
-    h = model(torch.tensor(ids), torch.arange(len(ids)), AttentionContext(backend, ContiguousMetadata([0], [len(ids)])))
-    rows.append(model.compute_logits(h))
-    for pos, tok in ((7, 12), (8, 480)):
-        h = model(torch.tensor([tok]), torch.tensor([pos]), AttentionContext(backend, ContiguousMetadata([0], [1])))
-        rows.append(model.compute_logits(h))
-    return torch.cat(rows)
 
 
 @pytest.mark.slow
@@ -143,7 +129,7 @@ def test_tp2_logits_equal_tp1_within_1e4(folders):
         assert p.exitcode == 0
     got = {name: torch.from_numpy(array) for name, array in got.items()}
     for name, folder in folders.items():
-        want = _logits(load_model(folder, "float32").model)
+        want = prompt_and_decode_logits(load_model(folder, "float32").model)
         assert got[name].shape == want.shape == (9, MODELS[name][1].get("vocab_size", 512))
         assert torch.allclose(got[name], want, atol=1e-4, rtol=0), (name, (got[name] - want).abs().max())
 
