@@ -1,7 +1,7 @@
 """Paged attention in PyTorch: K/V written by slot mapping, ragged queries attending over block tables.
 
 The cache may be stored in a narrower dtype than the model computes in (`kv_cache_dtype`): rows are
-converted on write and read back in the queries' dtype. On CPU the KV write and the decodes (one
+converted on write and read back in the queries' dtype. An int8 cache keeps each token's KV heads as of int8 rows with a float32 scale (csrc/kv_int8.h); only the C++ kernels write it. On CPU the KV write and the decodes (one
 query per request) go through the C++ kernels of `cpu_kernels` (decode reads the blocks in place);
 elsewhere decodes run as one batched scaled_dot_product_attention over K/V gathered by block table.
 Each prefill chunk is one attention call (few per step, bounded by the token budget): on CPU the
@@ -22,7 +22,8 @@ from pagoda.exec.cpu_memory import lazy_zeros, release_ranges
 
 
 class PagedKVCache:
-    """Per-layer K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per-layer K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]; in int8,
+    [num_blocks, num_kv_heads, block_size, int8_row_bytes(head_dim)] (each head's rows together)."""
 
     def __init__(
         self,
@@ -34,7 +35,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_blocks, *self.block_layout(block_size, num_kv_heads, head_dim, dtype))
         self.tensor = _zeros(shape, dtype, torch.device(device))
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -53,8 +54,16 @@ class PagedKVCache:
         self._layers = [(value[i, 0], value[i, 1]) for i in range(value.shape[0])]
 
     @staticmethod
+    def block_layout(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, ...]:
+        """One block's shape in one (layer, K/V) plane of the cache."""
+        if dtype == torch.int8:
+            return (num_kv_heads, block_size, int8_row_bytes(head_dim))
+        return (block_size, num_kv_heads, head_dim)
+
+    @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        layout = PagedKVCache.block_layout(block_size, num_kv_heads, head_dim, dtype)
+        return num_layers * 2 * math.prod(layout) * torch.empty((), dtype=dtype).element_size()
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[idx]
@@ -77,6 +86,23 @@ class PagedKVCache:
         return release_ranges(t, ranges)
 
 
+# An int8 row: head_dim values, then an fp16 scale per group of INT8_GROUP values (csrc/kv_int8.h).
+INT8_GROUP = 32
+
+
+def int8_row_bytes(head_dim: int) -> int:
+    return head_dim + 2 * -(-head_dim // INT8_GROUP)
+
+
+def dequantize_int8_blocks(blocks: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int8 blocks [nb, H, block_size, W] -> float32 rows [nb * block_size, H, head_dim]."""
+    nb, heads, block_size, width = blocks.shape
+    scales = blocks[..., head_dim:].contiguous().view(torch.float16).float()  # [nb, H, BS, groups]
+    scales = scales.repeat_interleave(INT8_GROUP, dim=-1)[..., :head_dim]
+    values = blocks[..., :head_dim].float() * scales
+    return values.transpose(1, 2).reshape(nb * block_size, heads, head_dim)
+
+
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
     """Sorted ids -> maximal runs of consecutive ids as (first, last)."""
     runs: list[tuple[int, int]] = []
@@ -97,17 +123,21 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store new K/V rows at their slots, in the cache's dtype; the caller has dropped padding rows (slot -1)."""
+    """Store new K/V rows at their slots, in the cache's (float) dtype; the caller has dropped padding rows (slot -1)."""
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     flat_k.index_copy_(0, slots, k.to(k_cache.dtype))
     flat_v.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int, dtype: torch.dtype,
+              block_size: int, head_dim: int) -> torch.Tensor:
     """[B, max_blocks] block tables -> [B, seq_len, H, D] contiguous K or V, in `dtype` (the queries')."""
     b, nb = block_tables.shape
     # index_select on whole blocks copies rows; advanced indexing would gather element by element.
+    if cache.dtype == torch.int8:
+        rows = dequantize_int8_blocks(cache.index_select(0, block_tables.reshape(-1)), head_dim)
+        return rows.view(b, nb * block_size, *rows.shape[1:])[:, :seq_len].to(dtype)
     gathered = cache.view(cache.shape[0], -1).index_select(0, block_tables.reshape(-1))
     return gathered.view(b, nb * cache.shape[1], *cache.shape[2:])[:, :seq_len].to(dtype)
 
@@ -127,6 +157,9 @@ class TorchPagedAttention:
             prefill = load_prefill_attention()
             if prefill is not None:
                 self.prefill_kernel = prefill.prefill_attention
+        if kv_cache.tensor.dtype == torch.int8 and self.write_kernel is None:
+            raise ValueError("kv_cache_dtype='int8' needs Pagoda's C++ CPU kernels, which could not be built here "
+                             "(see the log); use 'auto' or a 16-bit cache")
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata, scale: float
@@ -158,8 +191,8 @@ class TorchPagedAttention:
         lens = meta.seq_lens[:nd]
         max_len = max(meta.seq_lens_cpu[:nd])
         tables = meta.block_tables[:nd, : (max_len + meta.block_size - 1) // meta.block_size]
-        keys = gather_kv(k_cache, tables, max_len, q.dtype).transpose(1, 2)  # [B, H, S, D]
-        values = gather_kv(v_cache, tables, max_len, q.dtype).transpose(1, 2)
+        keys = gather_kv(k_cache, tables, max_len, q.dtype, meta.block_size, q.shape[-1]).transpose(1, 2)  # [B, H, S, D]
+        values = gather_kv(v_cache, tables, max_len, q.dtype, meta.block_size, q.shape[-1]).transpose(1, 2)
         mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens.unsqueeze(1)).view(nd, 1, 1, max_len)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)
@@ -171,8 +204,8 @@ class TorchPagedAttention:
         else:
             nb = (seq_len + meta.block_size - 1) // meta.block_size
             table = meta.block_tables[i : i + 1, :nb]
-            keys = gather_kv(k_cache, table, seq_len, q.dtype)[0]  # [seq_len, Hkv, D]
-            values = gather_kv(v_cache, table, seq_len, q.dtype)[0]
+            keys = gather_kv(k_cache, table, seq_len, q.dtype, meta.block_size, q.shape[-1])[0]  # [seq_len, Hkv, D]
+            values = gather_kv(v_cache, table, seq_len, q.dtype, meta.block_size, q.shape[-1])[0]
         if self.prefill_kernel is not None and q.shape[-1] % 16 == 0:
             # ~2x SDPA's speed on 2 AVX2 cores in fp32 (csrc/prefill_attention.cpp), and in bf16 on
             # AVX512-BF16 cores too, widening included. bf16 SDPA rounds the attention weights to

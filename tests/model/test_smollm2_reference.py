@@ -143,3 +143,20 @@ def test_16bit_kv_cache_keeps_fp32_greedy_but_near_ties(
     outs = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids], params, use_tqdm=False)
     differ = near_tie_differences(hf_smollm2, smollm2_prompt_ids, outs, smollm2_hf_greedy32, f"{kv_cache_dtype} KV")
     assert len(differ) <= 4, f"{kv_cache_dtype} KV flipped {differ}"
+
+
+# An int8 KV cache (a scale per block and KV head) against the 16-bit one under the same float32
+# model: at least 14 of the 16 prompts keep the 16-bit cache's 32 greedy tokens, and a prompt may
+# differ only at a near-tie of the same margin rule.
+def test_int8_kv_cache_keeps_16bit_greedy_but_near_ties(smollm2_fp32, hf_smollm2, smollm2_tokenizer, smollm2_prompt_ids):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for kv_cache_dtype in ("bfloat16", "int8"):
+        llm = make_engine(smollm2_fp32, smollm2_tokenizer, kv_cache_dtype=kv_cache_dtype,
+                          enable_prefix_caching=False, num_gpu_blocks_override=256)
+        assert llm.engine.core.kv_cache.tensor.dtype == getattr(torch, kv_cache_dtype)
+        outs[kv_cache_dtype] = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids], params, use_tqdm=False)
+    refs = [out.outputs[0].token_ids for out in outs["bfloat16"]]
+    differ = near_tie_differences(hf_smollm2, smollm2_prompt_ids, outs["int8"], refs, "int8 KV (against bf16 KV)")
+    print("int8 KV near-ties (prompt: (token, margin)):", differ)
+    assert len(differ) <= 2, f"int8 KV flipped {differ}"

@@ -5,7 +5,8 @@
 // are enough sequences to keep every thread busy, one work item takes all KV heads of a sequence and
 // reads whole rows. With few sequences (a lone long decode) items are (sequence, KV head) instead,
 // trading strided reads for parallelism. The cache may hold a float32 model's K/V as bf16 or fp16
-// (kv_cache_dtype): half the bytes to read, converted to float32 on the way in.
+// (kv_cache_dtype): half the bytes to read, converted to float32 on the way in; or any model's as
+// int8 rows with fp16 scales per 32 values (kv_int8.h), about a quarter of float32's bytes.
 //
 // inf and NaN go through as in exact arithmetic over the context (built without -ffast-math; see
 // vec_math.h): a NaN or +inf score makes its head's output NaN, as torch's softmax does; a -inf
@@ -25,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_int8.h"
 #include "vec_math.h"
 
 // `n` values of `src` as floats in `dst`. The 16-bit conversions use AVX2/F16C where the compiler
@@ -50,10 +52,18 @@ static inline void to_floats(const C* src, int64_t n, float* dst) {
 }
 
 // The K or V rows of one work item in one cache block, as floats: `n` rows of the item's KV heads,
-// `stride` floats apart. A float cache is read in place; a 16-bit one is converted into `buf`.
+// `stride` floats apart. A float cache is read in place; a 16-bit or int8 one is converted into `buf`.
 template <typename C>
 static inline const float* block_rows(const C* cache, int64_t block, int64_t BS, int64_t Hkv, int64_t D, int64_t hk0,
                                       int64_t row, int64_t n, float* buf, int64_t& stride) {
+  if constexpr (std::is_same_v<C, int8_t>) {  // [blocks, Hkv, BS, W]: each head's rows together
+    const int64_t W = pagoda_kv8::row_bytes(D), heads = row / D;
+    const int8_t* base = cache + (block * Hkv + hk0) * BS * W;
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < n; ++j) pagoda_kv8::dequantize_row(base + (h * BS + j) * W, D, buf + j * row + h * D);
+    stride = row;
+    return buf;
+  }
   const C* base = cache + (block * BS * Hkv + hk0) * D;
   if constexpr (std::is_same_v<C, float>) {
     stride = Hkv * D;
@@ -193,12 +203,14 @@ static void with_cache_type(at::ScalarType t, const F& f) {
     case at::kFloat: f(float{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
     case at::kHalf: f(c10::Half{}); break;
+    case at::kChar: f(int8_t{}); break;
     default: TORCH_CHECK(false, "unsupported KV cache dtype ", t);
   }
 }
 
 // q [B, Hq, D] (each head's D values contiguous; q may be a view into the fused QKV projection);
-// k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]; seq_lens [B].
+// k_cache/v_cache [num_blocks, block_size, Hkv, D], or int8 [num_blocks, Hkv, block_size, W] (kv_int8.h);
+// block_tables [B, max_blocks]; seq_lens [B].
 // Returns a new contiguous [B, Hq, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -209,7 +221,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto lens = seq_lens.to(torch::kLong).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   auto out = torch::empty({B, Hq, D}, q.options());
-  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const bool q8 = k_cache.scalar_type() == at::kChar;  // [blocks, Hkv, BS, W] (kv_int8.h)
+  TORCH_CHECK(k_cache.dim() == 4, "unexpected KV cache shape");
+  const int64_t Hkv = k_cache.size(q8 ? 1 : 2), BS = k_cache.size(q8 ? 2 : 1);
+  TORCH_CHECK(!q8 || pagoda_kv8::row_bytes(D) == k_cache.size(3), "int8 KV rows do not match head_dim");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     with_cache_type(k_cache.scalar_type(), [&](auto tag) {
       using C = decltype(tag);
@@ -232,6 +247,32 @@ static void convert_rows(C* dst, const S* src, const int64_t* slots, int64_t str
   }
 }
 
+// The int8 cache's write: each token's row of each KV head quantized on its own (kv_int8.h).
+static void write_kv_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kk, torch::Tensor vv,
+                          torch::Tensor sl) {
+  const int64_t n = kk.size(0), row = kk.size(1), Hkv = k_cache.size(1), BS = k_cache.size(2), D = row / Hkv;
+  const int64_t W = k_cache.size(3);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && Hkv * D == row &&
+                  pagoda_kv8::row_bytes(D) == W && vv.size(0) == n && vv.size(1) == row && sl.numel() == n,
+              "K/V rows do not match the int8 cache's [blocks, kv_heads, block_size, row bytes] or the slot count");
+  const int64_t* s = sl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < k_cache.size(0) * BS, "slot out of range");
+  int8_t* kc = k_cache.data_ptr<int8_t>();
+  int8_t* vc = v_cache.data_ptr<int8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kk.scalar_type(), "write_kv_int8", [&] {
+    const scalar_t* kp = kk.data_ptr<scalar_t>();
+    const scalar_t* vp = vv.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int64_t at_row = ((s[i] / BS) * Hkv + h) * BS + s[i] % BS;
+          pagoda_kv8::put_row(kc + at_row * W, D, kp + i * kk.stride(0) + h * D);
+          pagoda_kv8::put_row(vc + at_row * W, D, vp + i * vv.stride(0) + h * D);
+        }
+    });
+  });
+}
+
 // Copy token i's K and V rows ([Hkv, D] each) to cache row slots[i], converted to the cache's dtype
 // when it differs (a 16-bit cache under an fp32 model). k and v may be row-strided views (slices of
 // the fused QKV projection) as long as each row is contiguous; index_copy_ on such views goes
@@ -245,6 +286,10 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   TORCH_CHECK(kk.stride(1) == 1 && vv.stride(1) == 1, "K/V rows must be contiguous");
   auto sl = slots.to(torch::kLong).contiguous();
   const int64_t n = kk.size(0), row = kk.size(1);
+  if (k_cache.scalar_type() == at::kChar) {
+    write_kv_int8(k_cache, v_cache, kk, vv, sl);
+    return;
+  }
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) * k_cache.size(3) == row &&
                   vv.size(0) == n && vv.size(1) == row && slots.numel() == n,
               "K/V rows do not match the cache's [blocks, block_size, kv_heads, head_dim] or the slot count");
