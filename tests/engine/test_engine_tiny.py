@@ -246,7 +246,7 @@ def test_kv_cache_dtype_errors(tiny):
     from pagoda.config import EngineArgs
     from pagoda.engine.kv_layout import kv_cache_dtype
 
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16; got 'fp8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, int8; got 'fp8'"):
         EngineArgs(kv_cache_dtype="fp8")
     # Only the dtype choice: no CUDA machine needed.
     with pytest.raises(ValueError, match="supported on the CPU only"):
