@@ -5,15 +5,17 @@ tokenizer take several seconds each; both are done once per file and dtype, then
 the results back: `params-<dtype>` holds a complete config.json (read without transformers) and the
 model's parameters in pagoda's own layout, mapped into memory (see `mmap_weights`); `tokenizer`
 holds tokenizer.json and its config (loaded without AutoTokenizer). Entries are keyed by
-the file's content (a sampled fingerprint), written to a temporary folder, flushed to disk and
-renamed into place, so a half-written entry is never read. Set PAGODA_CACHE_DIR to move the cache,
-or to an empty string to turn it off.
+the file's content (a sampled fingerprint; of every part, for a split model), written to a temporary
+folder, flushed to disk and renamed into place, so a half-written entry is never read. Set
+PAGODA_CACHE_DIR to move the cache, or to an empty string to turn it off. Any size is cached while
+the cache's disk has room: an entry that would leave less than a tenth of the disk (at least
+1 GiB) free is not written.
 
 An entry is served only while its `complete` manifest still holds: every file it lists is there with
 its size (files up to 16 MiB also with their digest, larger ones with the digest of their first
 MiB, which holds a safetensors header), and the GGUF's whole metadata section (everything before
-the tensor data, where in-place editors such as gguf-set-metadata write) has the digest recorded
-when the entry was written. Anything else is a miss, and the next store replaces the entry. (Not
+the tensor data, where in-place editors such as gguf-set-metadata write; each part's, for a split
+model) has the digest recorded when the entry was written. Anything else is a miss, and the next store replaces the entry. (Not
 covered: bytes flipped inside a large cached weights file past its first MiB, or an in-place edit of
 GGUF tensor data that the sampled fingerprint misses; hashing those would cost a cache hit its speed.)
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,8 +32,12 @@ import struct
 import tempfile
 from pathlib import Path
 
-# Dequantized weights take several times the GGUF's size; past this the cache would cost too much disk.
-MAX_CACHED_GGUF_BYTES = 1 << 30
+logger = logging.getLogger(__name__)
+
+# Dequantized weights take several times the GGUF's size: an entry is written only if the disk keeps
+# this share of itself (and at least _MIN_FREE_BYTES) free after it.
+_FREE_SHARE = 0.1
+_MIN_FREE_BYTES = 1 << 30
 _COMPLETE = "complete"
 _MANIFEST_VERSION = 1
 _FULL_DIGEST_BYTES = 16 << 20  # files up to this size are hashed whole; larger ones by their first MiB
@@ -49,12 +56,18 @@ def entry_dir(gguf_path: Path, kind: str) -> Path | None:
     root = cache_root()
     if root is None:
         return None
-    size = gguf_path.stat().st_size
-    if size > MAX_CACHED_GGUF_BYTES and kind != "tokenizer":
-        return None
-    if re.fullmatch(r".+-\d{5}-of-\d{5}\.gguf", gguf_path.name) and kind != "tokenizer":
-        return None  # a split model's first part: the fingerprint would miss the other parts' weights
-    return root / "gguf" / f"{gguf_path.stem}-{fingerprint(gguf_path, size)}" / kind
+    prints = [fingerprint(p, p.stat().st_size) for p in _parts(gguf_path)]  # a split model: every part's
+    key = prints[0] if len(prints) == 1 else hashlib.sha256(" ".join(prints).encode()).hexdigest()[:16]
+    return root / "gguf" / f"{gguf_path.stem}-{key}" / kind
+
+
+def _parts(gguf_path: Path) -> list[Path]:
+    """Every file of the model whose (first) file is `gguf_path`."""
+    if not re.fullmatch(r".+-\d{5}-of-\d{5}\.gguf", gguf_path.name):
+        return [gguf_path]
+    from pagoda.model.gguf_file import split_parts
+
+    return split_parts(gguf_path)
 
 
 def fingerprint(path: Path, size: int) -> str:
@@ -162,7 +175,11 @@ def _manifest(gguf_path: Path, folder: Path) -> dict:
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != _COMPLETE
     }
-    return {"version": _MANIFEST_VERSION, "gguf_head": [head, _digest(gguf_path, head)], "files": files}
+    manifest = {"version": _MANIFEST_VERSION, "gguf_head": [head, _digest(gguf_path, head)], "files": files}
+    others = _parts(gguf_path)[1:]
+    if others:
+        manifest["part_heads"] = [[metadata_end(p), _digest(p, metadata_end(p))] for p in others]
+    return manifest
 
 
 def _valid(gguf_path: Path, folder: Path) -> bool:
@@ -171,9 +188,13 @@ def _valid(gguf_path: Path, folder: Path) -> bool:
         manifest = json.loads((folder / _COMPLETE).read_text())
         if manifest.get("version") != _MANIFEST_VERSION:
             return False  # e.g. an empty marker from an earlier version: no way to check it
-        head, head_digest = manifest["gguf_head"]
-        if _digest(gguf_path, head) != head_digest:
+        heads = [manifest["gguf_head"], *manifest.get("part_heads", [])]
+        parts = _parts(gguf_path)
+        if len(heads) != len(parts):
             return False
+        for part, (head, head_digest) in zip(parts, heads):
+            if _digest(part, head) != head_digest:
+                return False
         for name, record in manifest["files"].items():
             path = folder / name
             if not path.is_file() or path.stat().st_size != record["size"]:
@@ -240,17 +261,29 @@ def _fsync_tree(folder: Path) -> None:
     _fsync_dir(folder)
 
 
-def store(gguf_path: Path, kind: str, write) -> None:
+def has_room(folder: Path, nbytes: int) -> bool:
+    """Whether `nbytes` more on `folder`'s disk leave it the free share this cache keeps."""
+    usage = shutil.disk_usage(folder)
+    return usage.free - nbytes >= max(_MIN_FREE_BYTES, _FREE_SHARE * usage.total)
+
+
+def store(gguf_path: Path, kind: str, write, expected_bytes: int = 0) -> None:
     """Call write(folder) on a fresh temporary folder and publish it; any failure leaves no entry.
 
-    An entry already there is kept if it is valid (another process published it first) and replaced
-    if not (damaged, or written for earlier contents of the file)."""
+    `expected_bytes`: about what write() will put there; nothing is written unless the disk has
+    room for it (`has_room`). An entry already there is kept if it is valid (another process
+    published it first) and replaced if not (damaged, or written for earlier contents of the file)."""
     folder = entry_dir(gguf_path, kind)
     if folder is None:
         return
     tmp = None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        if expected_bytes and not has_room(folder.parent, expected_bytes):
+            free = shutil.disk_usage(folder.parent).free
+            logger.info("not caching %s of %s: %.1f GiB would leave too little of the %.1f GiB free on %s",
+                        kind, gguf_path.name, expected_bytes / 2**30, free / 2**30, folder.parent)
+            return
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{kind}-"))
         write(tmp)
         manifest = _manifest(gguf_path, tmp)

@@ -193,7 +193,8 @@ def _store_converted(path: Path, dtype: torch.dtype, config, net: torch.nn.Modul
         config.to_json_file(folder / "config.json", use_diff=False)
         save_params(net, folder / "model.safetensors")
 
-    gguf_cache.store(path, _weights_kind(dtype), write)
+    nbytes = sum(t.numel() * t.element_size() for t in net.state_dict().values())
+    gguf_cache.store(path, _weights_kind(dtype), write, expected_bytes=nbytes)
     # The Hugging Face-named entry earlier versions wrote is never read again: free its disk.
     legacy = gguf_cache.entry_dir(path, f"weights-{dtype}".replace("torch.", ""))
     if legacy is not None and legacy.exists():
