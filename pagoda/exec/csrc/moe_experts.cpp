@@ -29,6 +29,8 @@
 #endif
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <string>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -282,4 +284,8 @@ bool has_avx512_bf16() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts_bf16", &moe_experts_bf16);
   m.def("has_avx512_bf16", &has_avx512_bf16);
+  // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
+  m.def("_addresses", [] {
+    return std::map<std::string, int64_t>{{"moe_experts_bf16", reinterpret_cast<int64_t>(&moe_experts_bf16)}};
+  });
 }
