@@ -92,3 +92,30 @@ def test_runner_uses_the_grouped_kernel_for_bf16_and_onednn_for_float32(tmp_path
             assert isinstance(layer.packed_experts, kind) and layer.w13_weight.numel() == 0
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(layer(x.to(dtype)), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_bf16_engine_greedy_equals_transformers_on_the_grouped_kernel(tmp_path, monkeypatch, arch):
+    """End to end in bf16: prefill through the modules and decode through the fused step, both on the
+    grouped kernel, give transformers' greedy tokens (bf16 too), as the oneDNN-packed experts do."""
+    from pagoda import SamplingParams
+    from pagoda.exec import cpu_grouped_moe
+    from tests.conftest import hf_greedy, make_engine
+
+    hf = save_tiny_model(arch, tmp_path).to(torch.bfloat16)
+    prompts = [[5, 17, 300, 42, 7], [100, 200, 300], list(range(40, 110))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def greedy():
+        llm = make_engine(load_model(str(tmp_path), dtype="bfloat16"), None, num_gpu_blocks_override=64)
+        kinds = {type(layer.mlp.packed_experts).__name__ for layer in llm.engine.core.runner.model.model.layers
+                 if hasattr(layer.mlp, "packed_experts")}
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return kinds, llm.engine.core.runner.fused_decode is not None, [o.outputs[0].token_ids for o in outs]
+
+    kinds, fused, grouped = greedy()
+    assert kinds == {"GroupedExperts"} and fused
+    assert grouped == [hf_greedy(hf, p, 12) for p in prompts]
+    monkeypatch.setattr(cpu_grouped_moe, "grouped_kernel", lambda: None)
+    kinds, fused, packed = greedy()
+    assert kinds == {"PackedExperts"} and not fused and packed == grouped

@@ -47,6 +47,9 @@ constexpr int kMR = 6;      // activation rows per micro-kernel pass (6 x 4 accu
 #define MOE_PREFETCH 8192
 #endif
 constexpr int kPrefetch = MOE_PREFETCH;
+#ifndef MOE_PF_HINT
+#define MOE_PF_HINT _MM_HINT_T0
+#endif
 
 inline float to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -106,7 +109,7 @@ void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB
     const uint16_t* src = w + p * kStep;
     __m512bh wv[kNB];
     for (int j = 0; j < kNB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch, MOE_PF_HINT);
       wv[j] = (__m512bh)_mm512_loadu_si512(src + j * 2 * kBlock);
     }
     for (int m = 0; m < M; ++m) {
@@ -127,6 +130,13 @@ void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB
         c[m][j * kBlock + i] = s;
       }
 #endif
+}
+
+// Rows for the next pass over `left` rows: passes as even as kMR allows (8 rows: 4 + 4, not 6 + 2),
+// since a pass of one or two rows has too few accumulators to keep the dot-product units busy.
+inline int64_t pass_rows(int64_t left) {
+  const int64_t passes = (left + kMR - 1) / kMR;
+  return (left + passes - 1) / passes;
 }
 
 void tile_rows(int rows, const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock]) {
@@ -199,11 +209,11 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
     const int64_t e = active[task / groups13], g = task % groups13;
     const uint16_t* w = w13p + e * 2 * I * H + g * kNB * kBlock * H;
     float c[kMR][kNB * kBlock];
-    for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kMR) {
-      const int n = static_cast<int>(std::min<int64_t>(kMR, start[e + 1] - r0));
+    for (int64_t r0 = start[e], n; r0 < start[e + 1]; r0 += n) {
+      n = pass_rows(start[e + 1] - r0);
       const uint16_t* a[kMR];
       for (int m = 0; m < n; ++m) a[m] = xp + (pair_of[r0 + m] / top_k) * H;
-      tile_rows(n, a, w, H, c);
+      tile_rows(static_cast<int>(n), a, w, H, c);
       for (int m = 0; m < n; ++m) {
         uint16_t* dst = act.data() + (r0 + m) * I + g * 2 * kBlock;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -230,11 +240,11 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
     const int64_t e = active[task / groups2], g = task % groups2;
     const uint16_t* w = w2p + e * H * I + g * kNB * kBlock * I;
     float c[kMR][kNB * kBlock];
-    for (int64_t r0 = start[e]; r0 < start[e + 1]; r0 += kMR) {
-      const int n = static_cast<int>(std::min<int64_t>(kMR, start[e + 1] - r0));
+    for (int64_t r0 = start[e], n; r0 < start[e + 1]; r0 += n) {
+      n = pass_rows(start[e + 1] - r0);
       const uint16_t* a[kMR];
       for (int m = 0; m < n; ++m) a[m] = act.data() + (r0 + m) * I;
-      tile_rows(n, a, w, I, c);
+      tile_rows(static_cast<int>(n), a, w, I, c);
       for (int m = 0; m < n; ++m) {
         const float scale = wp[pair_of[r0 + m]];
         uint16_t* dst = down.data() + (r0 + m) * H + g * kNB * kBlock;
