@@ -42,14 +42,9 @@ using bf16 = c10::BFloat16;
 constexpr int kBlock = 16;  // output columns per packed block
 constexpr int kNB = 4;      // blocks per task: 2 gate + 2 up, or 4 down
 constexpr int kMR = 6;      // activation rows per micro-kernel pass (6 x 4 accumulators)
-// How far ahead of each weight stream to prefetch (bytes).
-#ifndef MOE_PREFETCH
-#define MOE_PREFETCH 8192
-#endif
-constexpr int kPrefetch = MOE_PREFETCH;
-#ifndef MOE_PF_HINT
-#define MOE_PF_HINT _MM_HINT_T0
-#endif
+// How far ahead of a task's weight stream to prefetch, in bytes: 1 KiB left one core at ~60 % of
+// its read rate; 2-8 KiB measured alike on two cores (~41 GB/s of the 43 a plain sum reads).
+constexpr int kPrefetch = 8192;
 
 inline float to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -109,7 +104,7 @@ void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB
     const uint16_t* src = w + p * kStep;
     __m512bh wv[kNB];
     for (int j = 0; j < kNB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch, MOE_PF_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch, _MM_HINT_T0);
       wv[j] = (__m512bh)_mm512_loadu_si512(src + j * 2 * kBlock);
     }
     for (int m = 0; m < M; ++m) {
