@@ -119,3 +119,15 @@ def test_bf16_engine_greedy_equals_transformers_on_the_grouped_kernel(tmp_path, 
     monkeypatch.setattr(cpu_grouped_moe, "grouped_kernel", lambda: None)
     kinds, fused, packed = greedy()
     assert kinds == {"PackedExperts"} and not fused and packed == grouped
+
+
+def test_the_off_switch_in_a_fresh_process():
+    import os
+    import subprocess
+    import sys
+
+    code = "from pagoda.exec.cpu_grouped_moe import grouped_kernel; print(grouped_kernel() is None)"
+    for value, off in (("1", "True"), ("0", "False")):
+        env = {**os.environ, "PAGODA_NO_GROUPED_MOE": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.stdout.strip().splitlines()[-1] == off, out.stderr
