@@ -1,7 +1,9 @@
 """The kernels an MoE's experts run on (`prepare_experts`): on CUDA the Triton grouped GEMM
-(triton_moe.py); on the CPU oneDNN-packed experts: each expert's gate-up and down weights packed once into
-oneDNN's blocked layout, as the dense layers' linears are (cpu_linear.py), for the fused MoE layer
-(pagoda/model/fused_moe.py), which calls them expert by expert over each expert's run of rows.
+(triton_moe.py); on the CPU, for bf16 where the CPU has AVX512-BF16 and the shapes tile, the grouped
+kernel that runs a layer's experts in one C++ call (cpu_grouped_moe.py); otherwise oneDNN-packed
+experts: each expert's gate-up and down weights packed once into oneDNN's blocked layout, as the
+dense layers' linears are (cpu_linear.py), for the fused MoE layer (pagoda/model/fused_moe.py), which
+calls them expert by expert over each expert's run of rows.
 
 Unpacked, a bf16 matmul reorders its weight on every call; packed, it reads the blocked copy
 directly. The stacked weights are dropped once packed (their pages given back when mapped from
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 # (cpu_linear's helpers, shared within the execution layer)
+from pagoda.exec.cpu_grouped_moe import GroupedExperts, grouped_applies, grouped_fused_experts
 from pagoda.exec.cpu_linear import _onednn_usable, _pack, _packed_linear
 from pagoda.model.mmap_weights import release_pages
 from pagoda.model.moe import FusedMoE
@@ -43,8 +46,12 @@ def pack_experts(model: nn.Module, device: torch.device) -> int:
     returns how many layers were packed."""
     layers = [m for m in model.modules() if isinstance(m, FusedMoE) and _onednn_usable(m.w13_weight, device)]
     for layer in layers:
+        w13, w2 = layer.w13_weight.detach(), layer.w2_weight.detach()
         try:
-            layer.packed_experts = PackedExperts(layer.w13_weight.detach(), layer.w2_weight.detach())
+            if grouped_applies(w13, w2):
+                layer.packed_experts, layer.experts_kernel = GroupedExperts(w13, w2), grouped_fused_experts
+            else:
+                layer.packed_experts = PackedExperts(w13, w2)
         except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
             logger.warning("packed experts unavailable (%s); using torch.mm", exc)
             return 0

@@ -11,7 +11,10 @@ for bit. Everything else (prefill and mixed steps, other model shapes) takes the
 What it serves: Llama-family layers (Llama, Mistral, Qwen2 with its QKV bias, Qwen3 with its
 per-head q/k norms) with a dense MLP, without tensor or pipeline parallelism, in float32 or bfloat16
 on the CPU, with the C++ paged kernels, and linears that are packed (cpu_linear) or quantized with
-their kernel (quant_linear). MoE layers take the modules. PAGODA_NO_FUSED_DECODE=1 turns it off.
+their kernel (quant_linear). MoE layers (Mixtral's, Qwen3-MoE's: routed experts without a shared one)
+are served where their experts run on the grouped bf16 kernel (cpu_grouped_moe): the router, its
+softmax and top-k through the same ATen calls, then that kernel; other MoE layers take the modules.
+PAGODA_NO_FUSED_DECODE=1 turns it off.
 
 The plan holds the tensors it was built with; weight updates copy into them in place, but a packed
 weight or a KV cache may be replaced by a new tensor (weight_tensors, sleep and wake), so each step
@@ -33,12 +36,14 @@ from torch import nn
 
 from pagoda.cpp_build import build_cpu_extension
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
+from pagoda.exec.cpu_grouped_moe import GroupedExperts, grouped_fused_experts, grouped_kernel
 from pagoda.exec.cpu_kernels import load_cpu_kernels
 from pagoda.exec.cpu_linear import PackedLinear, gemv_kernel
 from pagoda.exec.paged_attention import TorchPagedAttention
 from pagoda.exec.quant_linear import TILE_ROWS, load_quant_kernels, quant_matmul
 from pagoda.model.cpu_layer_ops import FUSED_DTYPES, load_layer_ops
 from pagoda.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pagoda.model.moe import FusedMoE
 from pagoda.model.quantized import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -119,8 +124,12 @@ class FusedCPUDecoder:
         self._held = [(self.backend.kv_cache, "tensor", self.backend.kv_cache.tensor)]
         plan = ops.DecodePlan(self._addresses())
         for i, layer in enumerate(layers):
-            if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
-                raise _NotServed(f"layer {i} is not a dense Llama layer")
+            mlp = layer.mlp
+            if type(layer) is not LlamaDecoderLayer or type(mlp) not in (LlamaMLP, FusedMoE):
+                raise _NotServed(f"layer {i} is not a Llama layer with a dense MLP or routed experts")
+            if type(mlp) is FusedMoE and not (isinstance(mlp.packed_experts, GroupedExperts)
+                                              and mlp.experts_kernel is grouped_fused_experts):
+                raise _NotServed(f"layer {i}'s experts are not on the grouped kernel")
             attn = layer.self_attn
             qk_norms = attn.q_norm is not None
             if qk_norms and (attn.q_norm.eps != attn.k_norm.eps or attn.q_norm.weight.dtype != dtype):
@@ -129,16 +138,26 @@ class FusedCPUDecoder:
                 if norm.weight.dtype != dtype:
                     raise _NotServed("norm weights in another dtype")
             k_cache, v_cache = self.backend.kv_cache.layer(attn.layer_idx)
+            if type(mlp) is FusedMoE:  # set_experts below replaces the MLP; the router stands in for it
+                gate_up = down = router = self._linear(mlp.gate)
+            else:
+                gate_up, down = self._linear(mlp.gate_up_proj), self._linear(mlp.down_proj)
             plan.add_layer(
                 layer.input_layernorm.weight, layer.input_layernorm.eps,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                self._linear(attn.qkv_proj), self._linear(attn.o_proj),
-                self._linear(layer.mlp.gate_up_proj), self._linear(layer.mlp.down_proj),
+                self._linear(attn.qkv_proj), self._linear(attn.o_proj), gate_up, down,
                 k_cache, v_cache, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
             )
             if qk_norms:
                 plan.set_qk_norms(attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+            if type(mlp) is FusedMoE:
+                self._experts(plan, mlp, router)
         return plan
+
+    def _experts(self, plan, mlp: FusedMoE, router) -> None:
+        experts = mlp.packed_experts
+        self._held += [(mlp, "packed_experts", experts), (experts, "w13", experts.w13), (experts, "w2", experts.w2)]
+        plan.set_experts(router, experts.w13, experts.w2, mlp.top_k, mlp.renormalize, mlp.expert_start)
 
     def _addresses(self) -> dict[str, int]:
         addresses = {**load_layer_ops()._addresses(), **load_cpu_kernels()._addresses()}
@@ -147,6 +166,8 @@ class FusedCPUDecoder:
         quant = load_quant_kernels() if any(isinstance(m, QuantLinear) for m in self.model.modules()) else None
         if quant is not None:
             addresses.update(quant._addresses())
+        if any(isinstance(m, FusedMoE) for m in self.model.modules()) and grouped_kernel() is not None:
+            addresses.update(grouped_kernel()._addresses())
         return addresses
 
     def _linear(self, module: nn.Module):

@@ -1,8 +1,8 @@
 """The fused CPU decode step (exec/fused_decode.py) gives the module path's output bit for bit, for
 every kind of linear it serves, is used for exactly the pure-decode steps (of up to QUANT_MAX_ROWS
 rows with quantized weights),
-follows weights replaced under it (a weight update, sleep and wake), and stands aside for the
-models it does not serve."""
+follows weights replaced under it (a weight update, sleep and wake), serves MoE layers whose experts
+run on the grouped bf16 kernel, and stands aside for the models it does not serve."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from pagoda import SamplingParams
 from pagoda.exec import fused_decode
+from pagoda.exec.cpu_grouped_moe import grouped_kernel
 from pagoda.exec.fused_decode import QUANT_MAX_ROWS, FusedCPUDecoder
 from pagoda.model.loader import load_model
 from tests.conftest import make_engine
@@ -61,9 +62,14 @@ def _assert_fused_equals_modules(loaded_fn, monkeypatch, quantized: bool = False
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen2", "bfloat16"),
-                                        ("mistral", "float32"), ("qwen3", "float32"), ("qwen3", "bfloat16")])
+                                        ("mistral", "float32"), ("qwen3", "float32"), ("qwen3", "bfloat16"),
+                                        ("mixtral", "bfloat16"), ("qwen3_moe", "bfloat16")])
 def test_fused_step_equals_the_modules(tmp_path, monkeypatch, arch, dtype):
-    save_tiny_model(arch, tmp_path)  # qwen2: a QKV bias; qwen3: per-head q/k norms
+    # qwen2: a QKV bias; qwen3: per-head q/k norms; mixtral: routed experts in every layer (in bf16 on
+    # the grouped kernel), qwen3_moe: in layers 1 and 2 and a dense MLP in layer 0
+    if arch in ("mixtral", "qwen3_moe") and grouped_kernel() is None:
+        pytest.skip("MoE layers are served on the grouped kernel, which needs AVX512-BF16")
+    save_tiny_model(arch, tmp_path)
     _assert_fused_equals_modules(lambda: load_model(str(tmp_path), dtype=dtype, device="cpu"), monkeypatch)
 
 
@@ -107,10 +113,11 @@ def test_fused_step_follows_weights_replaced_under_it(tmp_path, monkeypatch):
     assert outputs() == want_b[1:]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_models_it_does_not_serve_take_the_modules(tmp_path, arch):
-    save_tiny_model(arch, tmp_path)  # experts in every layer, or (qwen3_moe) in some
-    llm = make_engine(load_model(str(tmp_path), dtype="float32", device="cpu"), num_gpu_blocks_override=64)
+@pytest.mark.parametrize("arch,dtype", [("mixtral", "float32"), ("qwen3_moe", "float32"), ("qwen2_moe", "bfloat16")])
+def test_models_it_does_not_serve_take_the_modules(tmp_path, arch, dtype):
+    # float32 experts stay oneDNN-packed, off the grouped kernel; qwen2_moe has a shared expert
+    save_tiny_model(arch, tmp_path)
+    llm = make_engine(load_model(str(tmp_path), dtype=dtype, device="cpu"), num_gpu_blocks_override=64)
     assert llm.engine.core.runner.fused_decode is None
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], _params(1), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 7

@@ -29,6 +29,8 @@ using DecodeFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, 
 using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
 using GemvFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
+using MoEFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                const torch::Tensor&, int64_t);
 
 constexpr int64_t kGemvMaxRows = 4;   // gemv_bf16.cpp's limit (cpu_linear.GEMV_MAX_ROWS)
 constexpr int64_t kQuantMaxRows = 8;  // quant_matmul.cpp's fused rows (quant_linear.FUSED_ROWS)
@@ -73,7 +75,18 @@ struct Linear {
   int64_t tile_rows = 0;
 };
 
+// An MoE layer's routed experts in place of the dense MLP: the router, then the grouped kernel
+// (exec/csrc/moe_experts.cpp) over its packed experts, as FusedMoE.routed calls them.
+struct Experts {
+  bool present = false;
+  Linear router;
+  torch::Tensor w13, w2;
+  int64_t top_k = 0, expert_start = 0;
+  bool renormalize = false;
+};
+
 struct Layer {
+  Experts experts;
   torch::Tensor in_norm, post_norm, k_cache, v_cache;
   Opt q_norm, k_norm;  // Qwen3's per-head RMSNorms of q and k
   double qk_eps = 0.0;
@@ -100,6 +113,7 @@ struct Kernels {
   WriteKVFn write_kv;
   GemvFn gemv_bf16 = nullptr;    // only where the CPU has AVX512-BF16
   QuantFn quant_matmul = nullptr;  // only for models with quantized weights
+  MoEFn moe_experts = nullptr;     // only for MoE models with the grouped kernel
 };
 
 template <typename F>
@@ -120,6 +134,7 @@ class DecodePlan {
     k_.write_kv = address<WriteKVFn>(at, "write_kv");
     k_.gemv_bf16 = address<GemvFn>(at, "gemv_bf16", false);
     k_.quant_matmul = address<QuantFn>(at, "quant_matmul", false);
+    k_.moe_experts = address<MoEFn>(at, "moe_experts_bf16", false);
   }
 
   void add_layer(torch::Tensor in_norm, double in_eps, torch::Tensor post_norm, double post_eps, Linear qkv,
@@ -144,6 +159,21 @@ class DecodePlan {
     layers_.back().q_norm = q_norm;
     layers_.back().k_norm = k_norm;
     layers_.back().qk_eps = eps;
+  }
+
+  // An MoE layer: the last added layer's MLP is its routed experts (the gate_up and down given to
+  // add_layer are not used).
+  void set_experts(Linear router, torch::Tensor w13, torch::Tensor w2, int64_t top_k, bool renormalize,
+                   int64_t expert_start) {
+    TORCH_CHECK(!layers_.empty(), "fused decode: no layer to give experts");
+    TORCH_CHECK(k_.moe_experts, "fused decode: experts without the grouped MoE kernel");
+    TORCH_CHECK(router.kind != 1 || k_.gemv_bf16, "fused decode: a GEMV router without the GEMV kernel");
+    TORCH_CHECK(router.kind != 2, "fused decode: a quantized router");
+    Experts& e = layers_.back().experts;
+    e.present = true;
+    e.router = std::move(router);
+    e.w13 = w13, e.w2 = w2;
+    e.top_k = top_k, e.renormalize = renormalize, e.expert_start = expert_start;
   }
 
   // h: the embeddings [M, H]. Returns (the last layer's output, the residual stream), which the
@@ -177,7 +207,7 @@ class DecodePlan {
       torch::Tensor attn = k_.paged_decode(q, l.k_cache, l.v_cache, block_tables, seq_lens, l.scale);
       h = linear(attn.reshape({m, q_size}), l.o);
       k_.add_rms_norm_(h, residual, l.post_norm, l.post_eps);
-      h = linear(k_.silu_and_mul(linear(h, l.gate_up)), l.down);
+      h = l.experts.present ? routed(h, l.experts) : linear(k_.silu_and_mul(linear(h, l.gate_up)), l.down);
     }
     return {h, residual};
   }
@@ -186,6 +216,15 @@ class DecodePlan {
   bool quantized() const { return quantized_; }
 
  private:
+  // FusedMoE.routed with fused_moe.select_experts' ATen calls (softmax in float32, topk, the
+  // renormalisation), so the same experts and weights, and grouped_fused_experts' kernel call.
+  torch::Tensor routed(const torch::Tensor& h, const Experts& e) const {
+    const torch::Tensor probs = at::softmax(linear(h, e.router), -1, torch::kFloat32);
+    auto [weights, ids] = at::topk(probs, e.top_k, -1);
+    if (e.renormalize) weights = weights / weights.sum(-1, true);
+    return k_.moe_experts(h.contiguous(), ids.contiguous(), weights.contiguous(), e.w13, e.w2, e.expert_start);
+  }
+
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
     if (l.kind == 1 && x.size(0) <= kGemvMaxRows) return k_.gemv_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.plain, l.bias);
     if (l.kind != 2) return packed_linear(x, l.packed, l.bias);
@@ -243,6 +282,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::map<std::string, int64_t>&>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("set_qk_norms", &DecodePlan::set_qk_norms)
+      .def("set_experts", &DecodePlan::set_experts)
       .def("run", &DecodePlan::run)
       .def("num_layers", &DecodePlan::num_layers)
       .def("quantized", &DecodePlan::quantized);

@@ -1,0 +1,298 @@
+// The routed experts of one MoE layer in one call, bf16 with AVX512-BF16: the (token, expert) pairs
+// grouped by expert, gate-up with SiLU-and-multiply, down, the routing weights and the sum back to
+// the tokens (pagoda/model/fused_moe.py describes the computation; this is its CPU experts_kernel).
+//
+// Why one call: a decode step of 32 tokens, top-2 of 8 experts, gives each expert ~8 rows. Per expert
+// and projection oneDNN's packed GEMM (blocked for many rows) ran well below the memory's rate at so
+// few rows, and the ~25 small torch ops around the 16 calls added their own cost. Here each
+// projection is one OpenMP region over (expert, 64 output columns) tasks, handed out dynamically, so
+// both cores stream weights even when one expert has 2 rows and another 14, and every weight byte is
+// read from memory once per step (a second pass over an expert's rows re-reads its task's 128 KiB).
+//
+// Weights are packed once (pack_w13 / pack_w2 in exec/cpu_grouped_moe.py) into blocks of 16 output
+// columns, [K/2][16][2] each: one 64-byte load is 16 columns x one pair of k, the operand of one
+// vdpbf16ps against a broadcast pair of an activation row. w13's gate block j and up block j sit side
+// by side, so a task has both halves of its 32 act columns and applies SiLU-and-multiply itself.
+//
+// Rounding follows the modules' path (fused_moe.fused_experts with the layer ops): gate-up rounds to
+// bf16, silu(gate) is the layer ops' table of bf16(g / (1 + exp(-g))), its product with up rounds
+// once; down rounds to bf16, is weighed in float32 and rounds again; a token's contributions add in
+// bf16 in expert order, as index_add_ adds them. The float32 dot products sum in another order than
+// oneDNN's, so a value may differ from the modules' by a bf16 step.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <c10/util/BFloat16.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int kBlock = 16;  // output columns per packed block
+constexpr int kNB = 4;      // blocks per task: 2 gate + 2 up, or 4 down
+constexpr int kMR = 6;      // activation rows per micro-kernel pass (6 x 4 accumulators)
+// How far ahead of a task's weight stream to prefetch, in bytes: 1 KiB left one core at ~60 % of
+// its read rate; 2-8 KiB measured alike on two cores. The weights are read once a step, so they are
+// prefetched non-temporal (prefetchnta): 8-14 % faster than into all cache levels at 32 rows, and
+// they do not push the KV cache and activations out of L2 and L3.
+constexpr int kPrefetch = 4096;
+
+inline float to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 16 floats to bf16 bits as c10::BFloat16 rounds them (to nearest even, NaN to 0x7FC0).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 from_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+inline __m512 round16(__m512 v) { return from_bf16(to_bf16(v)); }
+
+inline __m256i load16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+inline void store16(uint16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+#endif
+
+// silu(g) for every bf16 g, as pagoda/model/csrc/layer_ops.cpp tabulates it (see its header).
+const float* silu_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(1 << 16);
+    for (uint32_t b = 0; b < (1u << 16); ++b) {
+      const float x = to_float(static_cast<uint16_t>(b));
+      const double e = std::exp(-static_cast<double>(x));
+      const float ef = e > std::numeric_limits<float>::max() ? std::numeric_limits<float>::infinity()
+                                                              : static_cast<float>(e);
+      t[b] = round_bf16(x / (1.f + ef));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// c[m][j * 16 + i] = sum_k a[m][k] * w[k / 2][j][i][k % 2]: M rows against one task's weights, kNB
+// blocks of 16 columns interleaved per pair of k, so that the task streams one contiguous range.
+template <int M>
+void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock]) {
+  constexpr int kStep = kNB * kBlock * 2;  // elements per pair of k
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  __m512 acc[M][kNB];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < kNB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* src = w + p * kStep;
+    __m512bh wv[kNB];
+    for (int j = 0; j < kNB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch, _MM_HINT_NTA);
+      wv[j] = (__m512bh)_mm512_loadu_si512(src + j * 2 * kBlock);
+    }
+    for (int m = 0; m < M; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, a[m] + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < kNB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < kNB; ++j) _mm512_storeu_ps(c[m] + j * kBlock, acc[m][j]);
+#else
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < kNB; ++j)
+      for (int i = 0; i < kBlock; ++i) {
+        float s = 0.f;
+        for (int64_t q = 0; q < k; ++q) s += to_float(a[m][q]) * to_float(w[(q / 2) * kStep + (j * kBlock + i) * 2 + q % 2]);
+        c[m][j * kBlock + i] = s;
+      }
+#endif
+}
+
+// Rows for the next pass over `left` rows: passes as even as kMR allows (8 rows: 4 + 4, not 6 + 2),
+// since a pass of one or two rows has too few accumulators to keep the dot-product units busy.
+inline int64_t pass_rows(int64_t left) {
+  const int64_t passes = (left + kMR - 1) / kMR;
+  return (left + passes - 1) / passes;
+}
+
+void tile_rows(int rows, const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock]) {
+  switch (rows) {
+    case 1: tile<1>(a, w, k, c); break;
+    case 2: tile<2>(a, w, k, c); break;
+    case 3: tile<3>(a, w, k, c); break;
+    case 4: tile<4>(a, w, k, c); break;
+    case 5: tile<5>(a, w, k, c); break;
+    default: tile<6>(a, w, k, c); break;
+  }
+}
+
+}  // namespace
+
+// x [T, H] bf16; ids [T, k] int64 (global expert ids); weights [T, k] float32; w13 the packed gate-up
+// [E, I/32, H/2, 4, 16, 2] and w2 the packed down [E, H/64, I/2, 4, 16, 2] of this rank's experts
+// [expert_start, expert_start + E). Returns [T, H] bf16; pairs routed to other ranks' experts add nothing.
+torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
+                               const torch::Tensor& w13, const torch::Tensor& w2, int64_t expert_start) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "moe_experts: x [T, H] bf16");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "moe_experts: ids [T, k] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "moe_experts: weights [T, k] float32");
+  TORCH_CHECK(w13.dim() == 6 && w2.dim() == 6 && w13.is_contiguous() && w2.is_contiguous(), "moe_experts: packed weights");
+  const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0);
+  const int64_t I = w13.size(1) * kBlock * kNB / 2;
+  TORCH_CHECK(w13.size(2) * 2 == H && w2.size(0) == E && w2.size(1) * kBlock * kNB == H && w2.size(2) * 2 == I &&
+              w13.size(3) == kNB && w2.size(3) == kNB, "moe_experts: packed weights do not match x");
+
+  // The pairs of local experts, grouped by expert in pair order (a stable sort by expert).
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t p = 0; p < T * top_k; ++p) {
+    const int64_t e = idp[p] - expert_start;
+    if (e >= 0 && e < E) ++start[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  const int64_t rows = start[E];
+  std::vector<int64_t> pair_of(rows), fill(start.begin(), start.end() - 1);
+  std::vector<int64_t> row_of(T * top_k, -1);  // each pair's row, -1 for other ranks' experts
+  for (int64_t p = 0; p < T * top_k; ++p) {
+    const int64_t e = idp[p] - expert_start;
+    if (e >= 0 && e < E) {
+      pair_of[fill[e]] = p;
+      row_of[p] = fill[e]++;
+    }
+  }
+  auto out = torch::zeros({T, H}, x.options());
+  if (rows == 0) return out;
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* w13p = reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>());
+  const auto* w2p = reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>());
+  const float* wp = weights.data_ptr<float>();
+  std::vector<uint16_t> act(rows * I);  // silu(gate) * up per row, bf16 bits
+  std::vector<uint16_t> down(rows * H);  // weight * down per row, bf16 bits
+  const float* silu = silu_table();
+  const int threads = at::get_num_threads();
+
+  // gate-up, SiLU-and-multiply: a task is one expert's 32 act columns (gate and up blocks 2g, 2g + 1).
+  const int64_t groups13 = I / (kBlock * kNB / 2);
+  const int64_t tasks13 = static_cast<int64_t>(active.size()) * groups13;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t task = 0; task < tasks13; ++task) {
+    const int64_t e = active[task / groups13], g = task % groups13;
+    const uint16_t* w = w13p + e * 2 * I * H + g * kNB * kBlock * H;
+    float c[kMR][kNB * kBlock];
+    for (int64_t r0 = start[e], n; r0 < start[e + 1]; r0 += n) {
+      n = pass_rows(start[e + 1] - r0);
+      const uint16_t* a[kMR];
+      for (int m = 0; m < n; ++m) a[m] = xp + (pair_of[r0 + m] / top_k) * H;
+      tile_rows(static_cast<int>(n), a, w, H, c);
+      for (int m = 0; m < n; ++m) {
+        uint16_t* dst = act.data() + (r0 + m) * I + g * 2 * kBlock;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        for (int i = 0; i < 2 * kBlock; i += 16) {
+          const __m512i gate = _mm512_cvtepu16_epi32(to_bf16(_mm512_loadu_ps(c[m] + i)));
+          const __m512 up = round16(_mm512_loadu_ps(c[m] + 2 * kBlock + i));
+          store16(dst + i, to_bf16(_mm512_mul_ps(_mm512_i32gather_ps(gate, silu, 4), up)));
+        }
+#else
+        for (int i = 0; i < 2 * kBlock; ++i) {
+          const bf16 gate(c[m][i]);
+          dst[i] = bf16(silu[gate.x] * round_bf16(c[m][2 * kBlock + i])).x;
+        }
+#endif
+      }
+    }
+  }
+
+  // down, weighed: a task is one expert's 64 output columns.
+  const int64_t groups2 = H / (kBlock * kNB);
+  const int64_t tasks2 = static_cast<int64_t>(active.size()) * groups2;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t task = 0; task < tasks2; ++task) {
+    const int64_t e = active[task / groups2], g = task % groups2;
+    const uint16_t* w = w2p + e * H * I + g * kNB * kBlock * I;
+    float c[kMR][kNB * kBlock];
+    for (int64_t r0 = start[e], n; r0 < start[e + 1]; r0 += n) {
+      n = pass_rows(start[e + 1] - r0);
+      const uint16_t* a[kMR];
+      for (int m = 0; m < n; ++m) a[m] = act.data() + (r0 + m) * I;
+      tile_rows(static_cast<int>(n), a, w, I, c);
+      for (int m = 0; m < n; ++m) {
+        const float scale = wp[pair_of[r0 + m]];
+        uint16_t* dst = down.data() + (r0 + m) * H + g * kNB * kBlock;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        for (int i = 0; i < kNB * kBlock; i += 16)
+          store16(dst + i, to_bf16(_mm512_mul_ps(round16(_mm512_loadu_ps(c[m] + i)), _mm512_set1_ps(scale))));
+#else
+        for (int i = 0; i < kNB * kBlock; ++i) dst[i] = bf16(round_bf16(c[m][i]) * scale).x;
+#endif
+      }
+    }
+  }
+
+  // Each token's contributions, added in bf16 in expert order (its pairs' rows ascend with the expert).
+  auto* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> mine;
+    for (int64_t t = t0; t < t1; ++t) {
+      mine.clear();
+      for (int64_t j = 0; j < top_k; ++j)
+        if (row_of[t * top_k + j] >= 0) mine.push_back(row_of[t * top_k + j]);
+      std::sort(mine.begin(), mine.end());
+      bf16* o = op + t * H;
+      for (int64_t r : mine) {
+        const uint16_t* src = down.data() + r * H;
+        int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        auto* ob = reinterpret_cast<uint16_t*>(o);
+        for (; i + 16 <= H; i += 16)
+          store16(ob + i, to_bf16(_mm512_add_ps(from_bf16(load16(ob + i)), from_bf16(load16(src + i)))));
+#endif
+        for (; i < H; ++i) o[i] = bf16(static_cast<float>(o[i]) + to_float(src[i]));
+      }
+    }
+  });
+  return out;
+}
+
+bool has_avx512_bf16() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("moe_experts_bf16", &moe_experts_bf16);
+  m.def("has_avx512_bf16", &has_avx512_bf16);
+  // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
+  m.def("_addresses", [] {
+    return std::map<std::string, int64_t>{{"moe_experts_bf16", reinterpret_cast<int64_t>(&moe_experts_bf16)}};
+  });
+}
