@@ -247,16 +247,13 @@ static void convert_rows(C* dst, const S* src, const int64_t* slots, int64_t str
   }
 }
 
-// The int8 cache's write: each token's row of each KV head quantized on its own (kv_int8.h).
+// The int8 cache's write: each token's row of each KV head quantized on its own (kv_int8.h); the
+// caller has checked the shapes and slots.
 static void write_kv_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kk, torch::Tensor vv,
                           torch::Tensor sl) {
   const int64_t n = kk.size(0), row = kk.size(1), Hkv = k_cache.size(1), BS = k_cache.size(2), D = row / Hkv;
   const int64_t W = k_cache.size(3);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && Hkv * D == row &&
-                  pagoda_kv8::row_bytes(D) == W && vv.size(0) == n && vv.size(1) == row && sl.numel() == n,
-              "K/V rows do not match the int8 cache's [blocks, kv_heads, block_size, row bytes] or the slot count");
   const int64_t* s = sl.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < k_cache.size(0) * BS, "slot out of range");
   int8_t* kc = k_cache.data_ptr<int8_t>();
   int8_t* vc = v_cache.data_ptr<int8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kk.scalar_type(), "write_kv_int8", [&] {
@@ -286,16 +283,21 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   TORCH_CHECK(kk.stride(1) == 1 && vv.stride(1) == 1, "K/V rows must be contiguous");
   auto sl = slots.to(torch::kLong).contiguous();
   const int64_t n = kk.size(0), row = kk.size(1);
-  if (k_cache.scalar_type() == at::kChar) {
+  const bool q8 = k_cache.scalar_type() == at::kChar;  // [blocks, Hkv, BS, W] (kv_int8.h)
+  const bool rows_fit = k_cache.dim() == 4 &&
+                        (q8 ? row % k_cache.size(1) == 0 && pagoda_kv8::row_bytes(row / k_cache.size(1)) == k_cache.size(3)
+                            : k_cache.size(2) * k_cache.size(3) == row);
+  TORCH_CHECK(rows_fit && k_cache.sizes() == v_cache.sizes() && vv.size(0) == n &&
+                  vv.size(1) == row && slots.numel() == n,
+              "K/V rows do not match the cache's [blocks, block_size, kv_heads, head_dim] (int8: [blocks, kv_heads, "
+              "block_size, row bytes]) or the slot count");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(q8 ? 2 : 1);
+  const int64_t* s = sl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < num_slots, "slot out of range");
+  if (q8) {
     write_kv_int8(k_cache, v_cache, kk, vv, sl);
     return;
   }
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) * k_cache.size(3) == row &&
-                  vv.size(0) == n && vv.size(1) == row && slots.numel() == n,
-              "K/V rows do not match the cache's [blocks, block_size, kv_heads, head_dim] or the slot count");
-  const int64_t num_slots = k_cache.numel() / row;
-  const int64_t* s = sl.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < num_slots, "slot out of range");
   if (k.scalar_type() != k_cache.scalar_type()) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
       with_cache_type(k_cache.scalar_type(), [&](auto tag) {
