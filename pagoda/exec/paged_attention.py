@@ -1,8 +1,9 @@
 """Paged attention in PyTorch: K/V written by slot mapping, ragged queries attending over block tables.
 
 The cache may be stored in a narrower dtype than the model computes in (`kv_cache_dtype`): rows are
-converted on write and read back in the queries' dtype. An int8 cache keeps each token's KV heads as of int8 rows with a float32 scale (csrc/kv_int8.h); only the C++ kernels write it. On CPU the KV write and the decodes (one
-query per request) go through the C++ kernels of `cpu_kernels` (decode reads the blocks in place);
+converted on write and read back in the queries' dtype. An int8 cache keeps each token's K or V row
+of each KV head as int8 values with an fp16 scale per 32 of them (csrc/kv_int8.h); only the C++
+kernels write it. On CPU the KV write and the decodes (one query per request) go through the C++ kernels of `cpu_kernels` (decode reads the blocks in place);
 elsewhere decodes run as one batched scaled_dot_product_attention over K/V gathered by block table.
 Each prefill chunk is one attention call (few per step, bounded by the token budget): on CPU the
 C++ causal kernel, in float32 for every model dtype, as the decode kernel computes (bf16 or fp16 q,

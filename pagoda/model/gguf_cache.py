@@ -15,8 +15,8 @@ An entry is served only while its `complete` manifest still holds: every file it
 its size (files up to 16 MiB also with their digest, larger ones with the digest of their first
 MiB, which holds a safetensors header), and the GGUF's whole metadata section (everything before
 the tensor data, where in-place editors such as gguf-set-metadata write; each part's, for a split
-model) has the digest recorded when the entry was written. Anything else is a miss, and the next store replaces the entry. (Not
-covered: bytes flipped inside a large cached weights file past its first MiB, or an in-place edit of
+model) has the digest recorded when the entry was written. Anything else is a miss, and the next
+store replaces the entry. (Not covered: bytes flipped inside a large cached weights file past its first MiB, or an in-place edit of
 GGUF tensor data that the sampled fingerprint misses; hashing those would cost a cache hit its speed.)
 """
 
@@ -178,7 +178,7 @@ def _manifest(gguf_path: Path, folder: Path) -> dict:
     manifest = {"version": _MANIFEST_VERSION, "gguf_head": [head, _digest(gguf_path, head)], "files": files}
     others = _parts(gguf_path)[1:]
     if others:
-        manifest["part_heads"] = [[metadata_end(p), _digest(p, metadata_end(p))] for p in others]
+        manifest["part_heads"] = [[end, _digest(p, end)] for p in others for end in [metadata_end(p)]]
     return manifest
 
 
