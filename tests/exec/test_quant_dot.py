@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagoda.cpp_build import cpu_flags
-from pagoda.exec.quant_linear import TILE_ROWS, load_quant_kernels
+from pagoda.exec.quant_linear import TILE_ROWS
 from pagoda.model.quantized import GGUF_KERNEL_TYPES, quantize_int8
 from tests.exec.test_quant_matmul import make_blocks, reference
 
@@ -30,14 +30,6 @@ INT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "int8"]
 EPS32 = torch.finfo(torch.float32).eps
 
 pytestmark = pytest.mark.skipif(not INT_ISAS, reason="this CPU has neither AVX2 nor AVX512-VNNI")
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_quant_kernels()
-    assert ops is not None, "the quantized matmul kernels must build here"
-    yield ops
-    ops.set_isa("auto")
 
 
 def round_like_the_kernel(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

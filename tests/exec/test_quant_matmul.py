@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pagoda.cpp_build import cpu_flags
-from pagoda.exec.quant_linear import TILE_ROWS, load_quant_kernels
+from pagoda.exec.quant_linear import TILE_ROWS
 from pagoda.model.quantized import GGUF_KERNEL_TYPES, QuantizedTensor, quantize_int8
 
 gguf = pytest.importorskip("gguf")
@@ -29,14 +29,6 @@ gguf = pytest.importorskip("gguf")
 FLAGS = set(cpu_flags().split())
 ISAS = ["scalar"] + (["avx2"] if {"avx2", "fma", "f16c"} <= FLAGS else []) + (
     ["avx512"] if {"avx512f", "avx512bw", "avx512vl"} <= FLAGS else [])
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_quant_kernels()
-    assert ops is not None, "the quantized matmul kernels must build here"
-    yield ops
-    ops.set_isa("auto")
 
 
 def make_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
