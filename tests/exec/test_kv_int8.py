@@ -7,16 +7,14 @@ work over it."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from pagoda import SamplingParams
-from pagoda.exec.cpu_kernels import load_cpu_kernels
 from pagoda.exec.paged_attention import INT8_GROUP, PagedKVCache, TorchPagedAttention, dequantize_int8_blocks
 from pagoda.model.loader import load_model
 from tests.conftest import hf_greedy, make_engine
+from tests.exec.test_cpu_decode_kernel import _kernels
 from tests.exec.test_paged_attention import build_batch
 from tests.tiny_models import save_tiny_model
 
@@ -25,11 +23,7 @@ NB, BS, H, D = 12, 16, 3, 64
 
 @pytest.fixture(scope="module")
 def kernels():
-    if os.environ.get("PAGODA_NO_CPP") == "1":
-        pytest.skip("PAGODA_NO_CPP=1 turns the C++ kernels off")
-    k = load_cpu_kernels()
-    assert k is not None, "the CPU kernels failed to build"
-    return k
+    return _kernels()
 
 
 def _cache() -> PagedKVCache:
