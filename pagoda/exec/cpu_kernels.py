@@ -25,12 +25,12 @@ def load_prefill_attention():
 
 
 @lru_cache(maxsize=1)
-def load_gemv_bf16():
-    """The compiled module (`gemv_bf16`, `has_avx512_bf16`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
-    return build_cpu_extension("pagoda_gemv_bf16", _CSRC / "gemv_bf16.cpp", "CPU bf16 GEMV")
-
-
-@lru_cache(maxsize=1)
 def load_moe_experts():
     """The compiled module (`moe_experts_bf16`, `has_avx512_bf16`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
     return build_cpu_extension("pagoda_moe_experts", _CSRC / "moe_experts.cpp", "CPU grouped MoE experts")
+
+
+@lru_cache(maxsize=1)
+def load_gemm_bf16():
+    """The compiled module (`gemm_bf16`, `gemm_i8_bf16`, `has_avx512_bf16`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+    return build_cpu_extension("pagoda_gemm_bf16", _CSRC / "gemm_bf16.cpp", "CPU bf16 GEMM")

@@ -19,13 +19,13 @@ heap (bf16, AVX512-BF16). So rows are padded up to a few dozen counts (`bucket_r
 16, then 8 steps per doubling, at most 12.5 % padding), and the primitives a server ever builds are
 bounded.
 
-A decode step of a few sequences is a chain of matrix-vector products bound by reading the weights,
-where oneDNN's packed GEMM (blocked for many rows) falls short of the memory's rate. With AVX512-BF16,
-bf16 linears of up to `GEMV_MAX_ROWS` rows run through our own kernel (exec/csrc/gemv_bf16.cpp) over
-the plain weight instead. The LM head's plain weight is held anyway (the tied embedding's or the
-model's own); the layers keep theirs beside the packed copy, which doubles their weights' memory, so
-only while those weights take at most an eighth of the machine's memory (SmolLM2: +200 MB of 24 GiB;
-a 7B model would stay on oneDNN alone). PAGODA_NO_GEMV=1 turns it off.
+With AVX512-BF16, bf16 linears and the LM head run through our own GEMM instead
+(exec/csrc/gemm_bf16.cpp, over weights packed once into its task layout, `pack_gemm`): it measured
+faster than oneDNN's packed GEMM from one row (2x: a decode step is a chain of matrix-vector
+products bound by reading the weights, where oneDNN's blocking for many rows falls short) to 256 and
+within a few per cent at 2,048, and it builds nothing per row count. One packed copy per weight: the
+plain one is dropped (the tied head's is the embedding's, which stays). PAGODA_NO_BF16_GEMM=1 gives
+those linears back to oneDNN.
 """
 
 from __future__ import annotations
@@ -38,15 +38,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pagoda.exec.cpu_kernels import load_gemv_bf16
-from pagoda.exec.cpu_kv_sizing import mem_total_bytes
+from pagoda.exec.cpu_kernels import load_gemm_bf16
 from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.mmap_weights import release_pages
 
 logger = logging.getLogger(__name__)
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows; any count works
-GEMV_MAX_ROWS = 4  # the kernel's limit; one row gained most (see docs/benchmarks.md)
+_TASK_COLS = 64  # output columns per task of the bf16 GEMM (gemm_bf16.cpp's kCols)
 
 
 @lru_cache(maxsize=1)
@@ -55,19 +54,28 @@ def _native_bf16() -> bool:
 
 
 @lru_cache(maxsize=1)
-def gemv_kernel():
-    """The bf16 GEMV kernel module where the CPU has AVX512-BF16 and it builds, else None."""
-    if os.environ.get("PAGODA_NO_GEMV") == "1" or not _native_bf16():
+def gemm_kernel():
+    """The bf16 GEMM kernel module where the CPU has AVX512-BF16 and it builds, else None."""
+    if os.environ.get("PAGODA_NO_BF16_GEMM") == "1" or not _native_bf16():
         return None
-    kernel = load_gemv_bf16()
+    kernel = load_gemm_bf16()
     return kernel if kernel is not None and kernel.has_avx512_bf16() else None
 
 
-def _gemv_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The plain weight the GEMV reads, where it applies to this weight."""
-    if weight.dtype != torch.bfloat16 or gemv_kernel() is None:
-        return None
-    return weight.detach().contiguous()
+def gemm_applies(weight: torch.Tensor) -> bool:
+    """Whether `weight` [N, K] runs on the bf16 GEMM (bf16, K even, the kernel here)."""
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and gemm_kernel() is not None
+
+
+def pack_gemm(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] (bf16, or int8 for gemm_i8_bf16) -> [ceil(N/64), K/2, 4, 16, 2]: each task's 64 output
+    columns (zero rows pad N), one pair of k of all of them per 256 contiguous bytes."""
+    n, k = weight.shape
+    weight = weight.detach()
+    if n % _TASK_COLS:
+        weight = torch.cat([weight, weight.new_zeros(_TASK_COLS - n % _TASK_COLS, k)])
+    blocks = weight.shape[0] // _TASK_COLS
+    return weight.reshape(blocks, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
 
 
 def _onednn_usable(weight: torch.Tensor, device: torch.device) -> bool:
@@ -92,17 +100,10 @@ def bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def _packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, plain: torch.Tensor | None = None
-) -> torch.Tensor:
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     m = x.shape[0]
-    if plain is not None and m <= GEMV_MAX_ROWS:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        out = gemv_kernel().gemv_bf16(x, plain, bias)
-        return out.reshape(*shape[:-1], out.shape[-1])
     x = x.contiguous()
     rows = bucket_rows(m)
     if rows != m:
@@ -116,29 +117,44 @@ def _packed_linear(
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
+def _gemm_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return gemm_kernel().gemm_bf16(x, packed, bias, n).reshape(*shape[:-1], n)
+
+
 class PackedLMHead:
-    """Logits through oneDNN; a packed copy of the head weight (which the embedding still uses)."""
+    """Logits through the bf16 GEMM or oneDNN, from a packed copy of the head weight (which the
+    embedding still uses)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.packed = _pack(weight)
-        self.plain = _gemv_weight(weight)
+        self.out_features = weight.shape[0]
+        self.gemm = gemm_applies(weight)
+        self.packed = pack_gemm(weight) if self.gemm else _pack(weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _packed_linear(hidden, self.packed, None, self.plain)
+        if self.gemm:
+            return _gemm_linear(hidden, self.packed, None, self.out_features)
+        return _packed_linear(hidden, self.packed, None)
 
 
 class PackedLinear(nn.Module):
-    """Stands in for an nn.Linear: the same function, the weight held only in oneDNN's packed layout."""
+    """Stands in for an nn.Linear: the same function, the weight held only packed (for the bf16 GEMM
+    where it applies, else in oneDNN's layout)."""
 
-    def __init__(self, linear: nn.Linear, keep_plain: bool = True) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack(linear.weight)
-        self.plain = _gemv_weight(linear.weight) if keep_plain else None
+        self.gemm = gemm_applies(linear.weight)
+        self.packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _packed_linear(x, self.packed, self.bias, self.plain)
+        if self.gemm:
+            return _gemm_linear(x, self.packed, self.bias, self.out_features)
+        return _packed_linear(x, self.packed, self.bias)
 
 
 def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -166,20 +182,16 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear and name != "lm_head" and _onednn_usable(child.weight, device)
     ]
-    weight_bytes = sum(child.weight.numel() * child.weight.element_size() for _, _, child in targets)
-    memory = mem_total_bytes()
-    keep_plain = memory is not None and weight_bytes <= memory // 8
     swapped, dropped = 0, []
     for parent, name, child in targets:
         try:
-            packed = PackedLinear(child, keep_plain)
+            packed = PackedLinear(child)
         except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
             logger.warning("packed linears unavailable (%s); using F.linear", exc)
             break
         setattr(parent, name, packed)
         swapped += 1
-        if packed.plain is None:
-            dropped.append(child.weight)
+        dropped.append(child.weight)
     # The packed copies replace the weights; weights mapped from the load cache would otherwise stay
     # resident (the mapping lives on for the other parameters): ~430 MB for SmolLM2 in fp32.
     release_pages(dropped)

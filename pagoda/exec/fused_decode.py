@@ -4,7 +4,7 @@ With one to a few sequences a step is bound by reading the weights plus Python's
 ~25 kernels a layer (~3 ms of SmolLM2's ~9 for one sequence). `FusedCPUDecoder` hands the layers'
 tensors to a C++ plan once; a pure-decode step (of up to `QUANT_MAX_ROWS` sequences with quantized
 weights, of any number otherwise) then runs every layer there, calling the very kernels the
-modules call (the fused layer ops, the GEMV or oneDNN's packed linears or the quantized matmul,
+modules call (the fused layer ops, the bf16 GEMM or oneDNN's packed linears or the quantized matmul,
 the KV write and paged decode attention), in the same order: the output is the module path's, bit
 for bit. Everything else (prefill and mixed steps, other model shapes) takes the modules.
 
@@ -38,9 +38,9 @@ from pagoda.cpp_build import build_cpu_extension
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_grouped_moe import GroupedExperts, grouped_fused_experts, grouped_kernel
 from pagoda.exec.cpu_kernels import load_cpu_kernels
-from pagoda.exec.cpu_linear import PackedLinear, gemv_kernel
+from pagoda.exec.cpu_linear import PackedLinear, gemm_kernel
 from pagoda.exec.paged_attention import TorchPagedAttention
-from pagoda.exec.quant_linear import TILE_ROWS, load_quant_kernels, quant_matmul
+from pagoda.exec.quant_linear import TILE_ROWS, int8_gemm, load_quant_kernels, quant_matmul
 from pagoda.model.cpu_layer_ops import FUSED_DTYPES, load_layer_ops
 from pagoda.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pagoda.model.moe import FusedMoE
@@ -161,8 +161,8 @@ class FusedCPUDecoder:
 
     def _addresses(self) -> dict[str, int]:
         addresses = {**load_layer_ops()._addresses(), **load_cpu_kernels()._addresses()}
-        if gemv_kernel() is not None:
-            addresses.update(gemv_kernel()._addresses())
+        if gemm_kernel() is not None:
+            addresses.update(gemm_kernel()._addresses())
         quant = load_quant_kernels() if any(isinstance(m, QuantLinear) for m in self.model.modules()) else None
         if quant is not None:
             addresses.update(quant._addresses())
@@ -174,10 +174,14 @@ class FusedCPUDecoder:
         ops = self.ops
         if isinstance(module, PackedLinear):
             self._held.append((module, "packed", module.packed))
-            if module.plain is not None:
-                self._held.append((module, "plain", module.plain))
-                return ops.gemv_linear(module.plain, module.packed, module.bias)
+            if module.gemm:
+                return ops.gemm_linear(module.packed, module.bias, module.out_features)
             return ops.packed_linear(module.packed, module.bias)
+        if isinstance(module, QuantLinear) and module.kernel is int8_gemm:
+            self._held.append((module, "parts", module.parts))
+            weight = module.parts[0]
+            bias = None if module.bias is None else module.bias.detach()
+            return ops.int8_gemm_linear(weight.data.view(torch.int8), weight.scale, bias, weight.rows)
         if isinstance(module, QuantLinear) and module.kernel is quant_matmul:
             self._held.append((module, "parts", module.parts))
             parts = module.parts

@@ -7,7 +7,9 @@ Q4_1 and int8 the activations are rounded to int8 per 32-block and the dot produ
 integers (AVX512-VNNI or AVX2, as llama.cpp does; csrc/quant_dot.h states the bound), the other
 types dequantize each block in cache. For more rows the weight is dequantized (whole, or in tiles
 for a large head) to the activations' dtype and multiplied by oneDNN's GEMM, whose cost the
-dequantization barely adds to. The path is picked at run time from the CPU (avx512_vnni, else
+dequantization barely adds to. int8 weights of a bf16 model on a CPU with AVX512-BF16 are reordered
+once for the bf16 GEMM instead (csrc/gemm_bf16.cpp: widened to bf16 in cache, every row count, the
+activations never rounded to int8; `int8_gemm`). The path is picked at run time from the CPU (avx512_vnni, else
 avx2_int8, else scalar); PAGODA_QUANT_ISA forces another: avx512 or avx2 (the float paths, dot
 products in fp32 over dequantized blocks), avx2_int8, scalar.
 """
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from pagoda.cpp_build import build_cpu_extension
-from pagoda.exec.cpu_linear import bucket_rows
+from pagoda.exec.cpu_linear import bucket_rows, gemm_kernel, pack_gemm
 from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.quantized import QuantEmbedding, QuantizedTensor, QuantLinear, quantized_modules
 
@@ -90,6 +92,24 @@ def _onednn_serves(dtype: torch.dtype) -> bool:
                                       and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def int8_gemm(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """x [M, K] bf16 @ dequantize(weight).T for an int8 weight in the "tasks" layout (`to_tasks`)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return gemm_kernel().gemm_i8_bf16(x, weight.data.view(torch.int8), weight.scale, None, weight.rows)
+
+
+def to_tasks(weight: QuantizedTensor) -> QuantizedTensor:
+    """An int8 row-layout weight reordered for the bf16 GEMM (the row copy is let go)."""
+    packed = pack_gemm(weight.data.view(torch.int8)).view(torch.uint8)
+    return QuantizedTensor("int8", weight.rows, weight.cols, packed, weight.scale, layout="tasks")
+
+
+def _int8_gemm_serves(module: QuantLinear, dtype: torch.dtype | None) -> bool:
+    return (dtype == torch.bfloat16 and gemm_kernel() is not None and module.in_features % 2 == 0
+            and len(module.parts) == 1 and module.parts[0].qtype == "int8")
+
+
 def quant_gather(weight: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the dequantized weight, float32."""
     return load_quant_kernels().gather_rows(weight.data, weight.type_id, weight.cols, weight.scale, ids)
@@ -104,8 +124,12 @@ def install_quant_kernels(model: nn.Module, device: torch.device) -> int:
     if load_quant_kernels() is None:
         logger.warning("quantized matmul kernels unavailable: %d quantized layers dequantize on every call", len(modules))
         return 0
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)  # the activations'
     for module in modules:
-        if isinstance(module, QuantLinear):
+        if isinstance(module, QuantLinear) and _int8_gemm_serves(module, dtype):
+            module.parts = [to_tasks(module.parts[0])]
+            module.kernel = int8_gemm
+        elif isinstance(module, QuantLinear):
             module.kernel = quant_matmul
         elif isinstance(module, QuantEmbedding):
             module.gather = quant_gather

@@ -31,13 +31,17 @@ BLOCK_LAYOUT = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (2
 @dataclass
 class QuantizedTensor:
     """A [rows, cols] weight as packed bytes: `data` is uint8 [rows, bytes per row] (int8 weights
-    viewed as bytes); `scale`, int8 only, float32 [rows]."""
+    viewed as bytes); `scale`, int8 only, float32 [rows].
+
+    `layout` "tasks" (int8 only): the execution layer has reordered the int8 values for its bf16 GEMM,
+    [ceil(rows / 64), cols / 2, 4, 16, 2] (exec/cpu_linear.pack_gemm); `dequantize` undoes it."""
 
     qtype: str
     rows: int
     cols: int
     data: torch.Tensor
     scale: torch.Tensor | None = None
+    layout: str = "rows"
 
     @property
     def type_id(self) -> int:
@@ -50,7 +54,10 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix: gguf-py's dequantization, or int8 times its scales."""
         if self.qtype == "int8":
-            return self.data.view(torch.int8).float() * self.scale[:, None]
+            q = self.data.view(torch.int8)
+            if self.layout == "tasks":  # [B, K/2, 4, 16, 2] -> [B * 64, K]
+                q = q.permute(0, 2, 3, 1, 4).reshape(-1, self.cols)[: self.rows]
+            return q.float() * self.scale[:, None]
         import gguf
         from gguf.quants import dequantize
 

@@ -82,21 +82,23 @@ def test_pack_linears_swaps_layer_projections_but_not_the_head(monkeypatch):
     assert pack_linears(Net(torch.bfloat16), cpu) == 0
 
 
-def test_bf16_packing_follows_the_cpu_and_is_bitwise_where_it_applies():
-    """With native bf16 (AVX512-BF16 or AMX) packed bf16 linears and head equal F.linear bit for bit
-    (both are oneDNN's bf16 GEMM with float32 accumulation) for batch and prefill row counts (a few rows
-    go through the GEMV instead: tests/exec/test_cpu_gemv.py); without it bf16 keeps F.linear, which
-    there is faster than oneDNN's emulation."""
+def test_bf16_packing_follows_the_cpu_and_is_bitwise_where_it_applies(monkeypatch):
+    """With native bf16 (AVX512-BF16 or AMX) oneDNN-packed bf16 linears and head equal F.linear bit for
+    bit (both are oneDNN's bf16 GEMM with float32 accumulation; where the CPU has AVX512-BF16 our bf16
+    GEMM takes them instead: tests/exec/test_cpu_gemm.py); without it bf16 keeps F.linear, which there
+    is faster than oneDNN's emulation."""
     assert cpu_linear._native_bf16() == (cpu_has_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if not cpu_linear._native_bf16():
         layer = torch.nn.Linear(96, 40).to(torch.bfloat16)
         assert not cpu_linear._onednn_usable(layer.weight, torch.device("cpu"))
         return
+    monkeypatch.setattr(cpu_linear, "gemm_kernel", lambda: None)
     g = torch.Generator().manual_seed(5)
     for bias in (False, True):
         linear = torch.nn.Linear(576, 1728, bias=bias).to(torch.bfloat16)
         packed = PackedLinear(linear)
-        for rows in (cpu_linear.GEMV_MAX_ROWS + 1, 7, 64, 300):
+        assert packed.packed.is_mkldnn
+        for rows in (1, 7, 64, 300):
             x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
             assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     weight = torch.randn(4000, 576, generator=g).to(torch.bfloat16)

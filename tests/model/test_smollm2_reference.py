@@ -37,9 +37,12 @@ def test_greedy_32_tokens_match_transformers(smollm2_fp32, smollm2_tokenizer, sm
 
 
 # bf16 rounding can flip a near-tie. A prompt may differ from the fp32 reference only where the fp32
-# reference's top two logits are within NEAR_TIE of each other at the first differing token (on this
-# machine: 4 of 16 prompts, at margins 0.01-0.13); anywhere else a difference is a bug.
+# reference's top two logits are within NEAR_TIE of each other at the first differing token; anywhere
+# else a difference is a bug. Measured on the AVX512-BF16 EPYC: 4 of 16 prompts with oneDNN's bf16
+# GEMM, 5 with ours (exec/csrc/gemm_bf16.cpp), at margins 0.01-0.13 (a bf16 logit's step at 16-32 is
+# 0.125); BF16_MAX_FLIPS bounds the count so that a drift in accuracy still fails.
 NEAR_TIE = 0.25
+BF16_MAX_FLIPS = 5
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +83,7 @@ def test_bf16_first_8_tokens_equal_fp32(smollm2_bf16, hf_smollm2, smollm2_tokeni
     outs = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids], params, use_tqdm=False)
     refs = [want[:8] for want in smollm2_hf_greedy32]
     near_ties = near_tie_differences(hf_smollm2, smollm2_prompt_ids, outs, refs, "bf16")
-    assert len(near_ties) <= 4, f"bf16 flipped {near_ties}"
+    assert len(near_ties) <= BF16_MAX_FLIPS, f"bf16 flipped {near_ties}"
 
 
 # Pagoda bf16 against transformers bf16 on the same GGUF weights (dequantized to float32, then

@@ -9,7 +9,7 @@
 // Python path's bit for bit.
 //
 // The kernels live in the other extensions (model/csrc/layer_ops.cpp, exec/csrc/paged_decode.cpp,
-// gemv_bf16.cpp, quant_matmul.cpp); each exports its entry points' addresses (`_addresses`), which
+// gemm_bf16.cpp, quant_matmul.cpp); each exports its entry points' addresses (`_addresses`), which
 // the plan is built with. oneDNN's packed linears are called through torch's dispatcher.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -27,12 +27,12 @@ using RotaryFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor);
 using SiluMulFn = torch::Tensor (*)(torch::Tensor);
 using DecodeFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double);
 using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
-using GemvFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&);
+using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
+using GemmI8Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
 using MoEFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                 const torch::Tensor&, int64_t);
 
-constexpr int64_t kGemvMaxRows = 4;   // gemv_bf16.cpp's limit (cpu_linear.GEMV_MAX_ROWS)
 constexpr int64_t kQuantMaxRows = 8;  // quant_matmul.cpp's fused rows (quant_linear.FUSED_ROWS)
 
 // cpu_linear.bucket_rows: m up to 16, else m rounded up to a multiple of an eighth of the power of
@@ -63,11 +63,13 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return rows != m ? out.narrow(0, 0, m) : out;
 }
 
-// One projection: oneDNN packed (0), bf16 GEMV over the plain weight up to four rows, else packed
-// (1), or weights kept quantized, one or more row blocks side by side, then the bias (2).
+// One projection: oneDNN packed (0), the bf16 GEMM over its packed weight (1: `packed` in its
+// layout, `n` output columns), or weights kept quantized, one or more row blocks side by side, then
+// the bias (2), or int8 weights in the bf16 GEMM's layout with a scale per column, then the bias (3).
 struct Linear {
   int kind = 0;
-  torch::Tensor packed, plain;
+  torch::Tensor packed, scale;
+  int64_t n = 0;
   Opt bias;
   std::vector<torch::Tensor> qdata;
   std::vector<int64_t> qtype;
@@ -111,7 +113,8 @@ struct Kernels {
   SiluMulFn silu_and_mul;
   DecodeFn paged_decode;
   WriteKVFn write_kv;
-  GemvFn gemv_bf16 = nullptr;    // only where the CPU has AVX512-BF16
+  GemmFn gemm_bf16 = nullptr;    // only where the CPU has AVX512-BF16
+  GemmI8Fn gemm_i8_bf16 = nullptr;
   QuantFn quant_matmul = nullptr;  // only for models with quantized weights
   MoEFn moe_experts = nullptr;     // only for MoE models with the grouped kernel
 };
@@ -132,7 +135,8 @@ class DecodePlan {
     k_.silu_and_mul = address<SiluMulFn>(at, "silu_and_mul");
     k_.paged_decode = address<DecodeFn>(at, "paged_decode");
     k_.write_kv = address<WriteKVFn>(at, "write_kv");
-    k_.gemv_bf16 = address<GemvFn>(at, "gemv_bf16", false);
+    k_.gemm_bf16 = address<GemmFn>(at, "gemm_bf16", false);
+    k_.gemm_i8_bf16 = address<GemmI8Fn>(at, "gemm_i8_bf16", false);
     k_.quant_matmul = address<QuantFn>(at, "quant_matmul", false);
     k_.moe_experts = address<MoEFn>(at, "moe_experts_bf16", false);
   }
@@ -141,7 +145,8 @@ class DecodePlan {
                  Linear o, Linear gate_up, Linear down, torch::Tensor k_cache, torch::Tensor v_cache, int64_t heads,
                  int64_t kv_heads, int64_t head_dim, double scale) {
     for (const Linear* l : {&qkv, &o, &gate_up, &down}) {
-      TORCH_CHECK(l->kind != 1 || k_.gemv_bf16, "fused decode: a GEMV linear without the GEMV kernel");
+      TORCH_CHECK(l->kind != 1 || k_.gemm_bf16, "fused decode: a bf16 GEMM linear without its kernel");
+      TORCH_CHECK(l->kind != 3 || k_.gemm_i8_bf16, "fused decode: an int8 GEMM linear without its kernel");
       TORCH_CHECK(l->kind != 2 || k_.quant_matmul, "fused decode: a quantized linear without its kernel");
       quantized_ = quantized_ || l->kind == 2;
     }
@@ -167,7 +172,7 @@ class DecodePlan {
                    int64_t expert_start) {
     TORCH_CHECK(!layers_.empty(), "fused decode: no layer to give experts");
     TORCH_CHECK(k_.moe_experts, "fused decode: experts without the grouped MoE kernel");
-    TORCH_CHECK(router.kind != 1 || k_.gemv_bf16, "fused decode: a GEMV router without the GEMV kernel");
+    TORCH_CHECK(router.kind != 1 || k_.gemm_bf16, "fused decode: a bf16 GEMM router without its kernel");
     TORCH_CHECK(router.kind != 2, "fused decode: a quantized router");
     Experts& e = layers_.back().experts;
     e.present = true;
@@ -226,7 +231,11 @@ class DecodePlan {
   }
 
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
-    if (l.kind == 1 && x.size(0) <= kGemvMaxRows) return k_.gemv_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.plain, l.bias);
+    if (l.kind == 1) return k_.gemm_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.bias, l.n);
+    if (l.kind == 3) {
+      const torch::Tensor out = k_.gemm_i8_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.scale, Opt(), l.n);
+      return l.bias.has_value() ? out + *l.bias : out;
+    }
     if (l.kind != 2) return packed_linear(x, l.packed, l.bias);
     const torch::Tensor xc = x.contiguous();
     std::vector<torch::Tensor> outs;
@@ -250,10 +259,17 @@ Linear packed(torch::Tensor packed, Opt bias) {
   return l;
 }
 
-Linear gemv(torch::Tensor plain, torch::Tensor packed, Opt bias) {
+Linear gemm(torch::Tensor packed, Opt bias, int64_t n) {
   Linear l = ::packed(packed, bias);
   l.kind = 1;
-  l.plain = plain;
+  l.n = n;
+  return l;
+}
+
+Linear gemm_i8(torch::Tensor packed, torch::Tensor scale, Opt bias, int64_t n) {
+  Linear l = gemm(packed, bias, n);
+  l.kind = 3;
+  l.scale = scale;
   return l;
 }
 
@@ -275,7 +291,8 @@ Linear quantized(std::vector<torch::Tensor> data, std::vector<int64_t> types, st
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear");
   m.def("packed_linear", &packed);
-  m.def("gemv_linear", &gemv);
+  m.def("gemm_linear", &gemm);
+  m.def("int8_gemm_linear", &gemm_i8);
   m.def("quant_linear", &quantized);
   m.attr("QUANT_MAX_ROWS") = kQuantMaxRows;
   py::class_<DecodePlan>(m, "DecodePlan")

@@ -36,45 +36,11 @@
 #include <limits>
 #include <vector>
 
+#include "bf16_tile.h"
+
 namespace {
 
-using bf16 = c10::BFloat16;
-constexpr int kBlock = 16;  // output columns per packed block
-constexpr int kNB = 4;      // blocks per task: 2 gate + 2 up, or 4 down
-constexpr int kMR = 6;      // activation rows per micro-kernel pass (6 x 4 accumulators)
-// How far ahead of a task's weight stream to prefetch, in bytes: 1 KiB left one core at ~60 % of
-// its read rate; 2-8 KiB measured alike on two cores. The weights are read once a step, so they are
-// prefetched non-temporal (prefetchnta): 8-14 % faster than into all cache levels at 32 rows, and
-// they do not push the KV cache and activations out of L2 and L3.
-constexpr int kPrefetch = 4096;
-
-inline float to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// 16 floats to bf16 bits as c10::BFloat16 rounds them (to nearest even, NaN to 0x7FC0).
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-inline __m512 from_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-inline __m512 round16(__m512 v) { return from_bf16(to_bf16(v)); }
-
-inline __m256i load16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-inline void store16(uint16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-#endif
+using namespace pagoda_bf16;
 
 // silu(g) for every bf16 g, as pagoda/model/csrc/layer_ops.cpp tabulates it (see its header).
 const float* silu_table() {
@@ -90,61 +56,6 @@ const float* silu_table() {
     return t;
   }();
   return table.data();
-}
-
-// c[m][j * 16 + i] = sum_k a[m][k] * w[k / 2][j][i][k % 2]: M rows against one task's weights, kNB
-// blocks of 16 columns interleaved per pair of k, so that the task streams one contiguous range.
-template <int M>
-void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock]) {
-  constexpr int kStep = kNB * kBlock * 2;  // elements per pair of k
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  __m512 acc[M][kNB];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < kNB; ++j) acc[m][j] = _mm512_setzero_ps();
-  const int64_t pairs = k / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* src = w + p * kStep;
-    __m512bh wv[kNB];
-    for (int j = 0; j < kNB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch, _MM_HINT_NTA);
-      wv[j] = (__m512bh)_mm512_loadu_si512(src + j * 2 * kBlock);
-    }
-    for (int m = 0; m < M; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, a[m] + 2 * p, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < kNB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < kNB; ++j) _mm512_storeu_ps(c[m] + j * kBlock, acc[m][j]);
-#else
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < kNB; ++j)
-      for (int i = 0; i < kBlock; ++i) {
-        float s = 0.f;
-        for (int64_t q = 0; q < k; ++q) s += to_float(a[m][q]) * to_float(w[(q / 2) * kStep + (j * kBlock + i) * 2 + q % 2]);
-        c[m][j * kBlock + i] = s;
-      }
-#endif
-}
-
-// Rows for the next pass over `left` rows: passes as even as kMR allows (8 rows: 4 + 4, not 6 + 2),
-// since a pass of one or two rows has too few accumulators to keep the dot-product units busy.
-inline int64_t pass_rows(int64_t left) {
-  const int64_t passes = (left + kMR - 1) / kMR;
-  return (left + passes - 1) / passes;
-}
-
-void tile_rows(int rows, const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock]) {
-  switch (rows) {
-    case 1: tile<1>(a, w, k, c); break;
-    case 2: tile<2>(a, w, k, c); break;
-    case 3: tile<3>(a, w, k, c); break;
-    case 4: tile<4>(a, w, k, c); break;
-    case 5: tile<5>(a, w, k, c); break;
-    default: tile<6>(a, w, k, c); break;
-  }
 }
 
 }  // namespace
@@ -280,17 +191,9 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
   return out;
 }
 
-bool has_avx512_bf16() {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts_bf16", &moe_experts_bf16);
-  m.def("has_avx512_bf16", &has_avx512_bf16);
+  m.def("has_avx512_bf16", &pagoda_bf16::built_with_avx512_bf16);
   // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
   m.def("_addresses", [] {
     return std::map<std::string, int64_t>{{"moe_experts_bf16", reinterpret_cast<int64_t>(&moe_experts_bf16)}};

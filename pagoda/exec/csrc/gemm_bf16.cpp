@@ -1,0 +1,187 @@
+// Dense bf16 linears with AVX512-BF16: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), accumulated in
+// float32 and rounded to bf16 once, for any number of rows; and the same over int8 weights with a
+// float scale per output column (`--quantization int8`), widened to bf16 in cache.
+//
+// Why our own: the grouped MoE kernel's micro-kernel (bf16_tile.h) measured faster than oneDNN's
+// packed bf16 GEMM on a 2-core AVX512-BF16 EPYC at every row count of a step (SmolLM2's MLP: 0.48
+// against 0.59 ms at 64 rows, 0.99 against 1.03 at 128; docs/perf-notes.md), and it needs no
+// primitive per row count, so rows are not padded to buckets.
+//
+// Work: tasks of (64 output columns, a chunk of rows), handed out dynamically over OpenMP threads.
+// A task streams its columns' packed weights ([K/2][4][16][2], one contiguous range) once per pass
+// of up to 6 rows; a chunk of one pass prefetches them non-temporal (read once a step), a longer
+// chunk into every level, as its later passes read them again from L2. Narrow weights (few column
+// blocks) are split by rows too, so that every thread has work.
+//
+// int8: a task first widens its columns' int8 weights (the same layout, one byte each) to bf16 in a
+// per-thread buffer (exact: |q| <= 127), then runs the bf16 micro-kernel over it and multiplies each
+// column's float32 sum by its scale. The products are exact, so this is the float32 matmul of the
+// activations with q, scaled: no rounding of q * scale to bf16 as a dequantized weight would have.
+#include <torch/extension.h>
+
+#include <omp.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bf16_tile.h"
+
+namespace {
+
+using namespace pagoda_bf16;
+using Opt = std::optional<torch::Tensor>;
+constexpr int kCols = kNB * kBlock;  // output columns per task
+constexpr int64_t kChunkRows = 192;   // rows per task at most: 16 passes over L2-resident weights
+
+struct Plan {
+  int64_t chunk;   // rows per task
+  int64_t chunks;  // row chunks
+  int64_t tasks;
+};
+
+// Enough tasks for the threads (4 per thread where the rows allow), chunks a multiple of a pass.
+Plan plan(int64_t m, int64_t blocks, int threads) {
+  int64_t want = (4 * threads + blocks - 1) / blocks;
+  want = std::max<int64_t>(1, std::min(want, (m + kMR - 1) / kMR));
+  int64_t chunk = (m + want - 1) / want;
+  chunk = std::min(kChunkRows, (chunk + kMR - 1) / kMR * kMR);
+  const int64_t chunks = (m + chunk - 1) / chunk;
+  return {chunk, chunks, chunks * blocks};
+}
+
+// One row's sums of a task to bf16: times scale, plus bias (either may be null), `cols` of them.
+inline void store_row(const float* c, int64_t cols, const float* scale, const float* bias, uint16_t* dst) {
+  int64_t j = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  for (; j < cols; j += kBlock) {
+    const __mmask16 mask = cols - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    __m512 v = _mm512_loadu_ps(c + j);
+    if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scale + j));
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + j));
+    _mm256_mask_storeu_epi16(dst + j, mask, to_bf16(v));
+  }
+#endif
+  for (; j < cols; ++j) {
+    float v = c[j];
+    if (scale != nullptr) v *= scale[j];
+    if (bias != nullptr) v += bias[j];
+    dst[j] = bf16(v).x;
+  }
+}
+
+// Rows [r0, r1) of x against one task's packed weights w (k wide), written to y's columns
+// [col0, col0 + 64) that lie below n, each column's sum times scale[col] (if given) plus bias[col].
+// `cached`: w was just written (a widened panel), so never prefetch it non-temporal.
+void run_task(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k, int64_t r0, int64_t r1, int64_t col0,
+              int64_t n, const float* scale, const float* bias, uint16_t* y, int64_t ldy, bool cached = false) {
+  float c[kMR][kCols];
+  const bool stream = !cached && r1 - r0 <= kMR;
+  for (int64_t r = r0, rows; r < r1; r += rows) {
+    rows = pass_rows(r1 - r);
+    const uint16_t* a[kMR];
+    for (int i = 0; i < rows; ++i) a[i] = x + (r + i) * ldx;
+    if (stream) tile_rows<true>(static_cast<int>(rows), a, w, k, c);
+    else tile_rows<false>(static_cast<int>(rows), a, w, k, c);
+    const int64_t cols = std::min<int64_t>(kCols, n - col0);
+    for (int i = 0; i < rows; ++i) store_row(c[i], cols, scale ? scale + col0 : nullptr, bias ? bias + col0 : nullptr,
+                                             y + (r + i) * ldy + col0);
+  }
+}
+
+// w's int8 [K/2][64][2] task range widened to bf16 bits in `out` (K * 64 values).
+void widen(const int8_t* w, int64_t k, uint16_t* out) {
+  const int64_t n = k * kCols;
+  int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  for (; i + 32 <= n; i += 32) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 16));
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
+                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+    _mm512_storeu_si512(out + i, (__m512i)v);
+  }
+#endif
+  for (; i < n; ++i) out[i] = bf16(static_cast<float>(w[i])).x;
+}
+
+std::vector<float> floats(const Opt& t, int64_t n, const char* what) {
+  if (!t.has_value()) return {};
+  TORCH_CHECK(t->dim() == 1 && t->size(0) >= n, "gemm_bf16: ", what, " has fewer than n values");
+  const torch::Tensor f = t->to(torch::kFloat).contiguous();
+  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + n);
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& w, int64_t n, at::ScalarType wtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16, rows contiguous");
+  TORCH_CHECK(w.dim() == 5 && w.scalar_type() == wtype && w.is_contiguous() && w.size(2) == kNB && w.size(3) == kBlock &&
+              w.size(4) == 2, "gemm_bf16: w packed [N/64, K/2, 4, 16, 2]");
+  TORCH_CHECK(w.size(1) * 2 == x.size(1), "gemm_bf16: x has ", x.size(1), " columns, w ", w.size(1) * 2);
+  TORCH_CHECK(n > 0 && n <= w.size(0) * kCols && n > (w.size(0) - 1) * kCols, "gemm_bf16: n does not match w");
+}
+
+}  // namespace
+
+// x [M, K] bf16 (rows may be strided), w packed [ceil(N/64), K/2, 4, 16, 2] bf16, bias [N] or None.
+torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Opt& bias, int64_t n) {
+  check(x, w, n, at::kBFloat16);
+  const int64_t m = x.size(0), k = x.size(1), blocks = w.size(0);
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const std::vector<float> b = floats(bias, n, "bias");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int threads = at::get_num_threads();
+  const Plan p = plan(m, blocks, threads);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t t = 0; t < p.tasks; ++t) {
+    const int64_t j = t / p.chunks, r0 = (t % p.chunks) * p.chunk;
+    run_task(xp, x.stride(0), wp + j * k * kCols, k, r0, std::min(m, r0 + p.chunk), j * kCols, n, nullptr,
+             b.empty() ? nullptr : b.data(), yp, n);
+  }
+  return y;
+}
+
+// The same over int8 weights (w int8 in gemm_bf16's layout) with scale [N] float32 per output column.
+torch::Tensor gemm_i8_bf16(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale, const Opt& bias,
+                           int64_t n) {
+  check(x, w, n, at::kChar);
+  const int64_t m = x.size(0), k = x.size(1), blocks = w.size(0);
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const std::vector<float> s = floats(scale, n, "scale"), b = floats(bias, n, "bias");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int threads = at::get_num_threads();
+  const Plan p = plan(m, blocks, threads);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<uint16_t> panel(k * kCols);
+    int64_t widened = -1;  // the column block in `panel`: a thread's next task is often the same block's next chunk
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < p.tasks; ++t) {
+      const int64_t j = t / p.chunks, r0 = (t % p.chunks) * p.chunk;
+      if (j != widened) widen(wp + j * k * kCols, k, panel.data());
+      widened = j;
+      run_task(xp, x.stride(0), panel.data(), k, r0, std::min(m, r0 + p.chunk), j * kCols, n, s.data(),
+               b.empty() ? nullptr : b.data(), yp, n, true);
+    }
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm_bf16", &gemm_bf16, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"));
+  m.def("gemm_i8_bf16", &gemm_i8_bf16, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"));
+  m.def("has_avx512_bf16", &pagoda_bf16::built_with_avx512_bf16);
+  // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
+  m.def("_addresses", [] {
+    return std::map<std::string, int64_t>{{"gemm_bf16", reinterpret_cast<int64_t>(&gemm_bf16)},
+                                          {"gemm_i8_bf16", reinterpret_cast<int64_t>(&gemm_i8_bf16)}};
+  });
+}
