@@ -154,3 +154,16 @@ def test_a_document_without_the_table_is_an_error(tmp_path, missing):
     (tmp_path / "arch.md").write_text(FAKE_DOC.split(missing)[0])
     with pytest.raises(ValueError):
         read_layer_table(tmp_path / "arch.md")
+
+
+def test_the_api_process_does_not_load_torch():
+    """The server's API process (the OpenAI app, the async client of the engine core) runs without
+    torch: loading it there cost ~200 MB of the server's memory. A fresh interpreter, so that no
+    other test's imports count."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pagoda.serve.app, pagoda.serve.server, pagoda.engine.async_llm; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", f"the API process's modules import torch: {out.stdout.strip()}"

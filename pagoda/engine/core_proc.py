@@ -29,7 +29,7 @@ import zmq
 
 from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import eos_token_id_of
-from pagoda.engine.weight_lifecycle import WeightUpdateRefused, refusal
+from pagoda.engine.errors import WeightUpdateRefused, refusal
 from pagoda.contracts.messages import (
     EngineCoreOutputs,
     EngineCoreReady,

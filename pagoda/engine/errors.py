@@ -8,6 +8,9 @@ server maps each to its HTTP answer by type, never by message text.
   arguments. `EngineNotReadyError`: still starting.
 - `RequestTimeoutError`, `RequestRejectedError`, `RequestAbortedError`: how one request ended
   without finishing.
+- `WeightUpdateRefused`: a weight update, sleep or wake that cannot happen now; `refusal` is its
+  answer as plain data. Here rather than beside the weight lifecycle, which imports torch: the API
+  process imports these and must not load torch (~200 MB of its memory).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ __all__ = [
     "RequestAbortedError",
     "RequestRejectedError",
     "RequestTimeoutError",
+    "WeightUpdateRefused",
+    "refusal",
 ]
 
 
@@ -57,3 +62,18 @@ class ChatTemplateArgumentError(InvalidRequestError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, field="chat_template_kwargs")
+
+
+class WeightUpdateRefused(Exception):
+    """An update, sleep or wake that cannot happen now (`kind`: "invalid" for a bad checkpoint or
+    argument, "conflict" for a state that forbids it)."""
+
+    def __init__(self, message: str, kind: str = "invalid") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def refusal(exc: BaseException) -> dict:
+    """The answer to a refused call, as plain data."""
+    kind = exc.kind if isinstance(exc, WeightUpdateRefused) else "invalid"
+    return {"error": str(exc), "kind": kind}

@@ -11,7 +11,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.generation_defaults import default_sampling_params
 from pagoda.engine.input_processor import chat_prompt_ids
 from pagoda.engine.llm_engine import LLMEngine, Prompt
-from pagoda.engine.weight_lifecycle import WeightUpdateRefused
+from pagoda.engine.errors import WeightUpdateRefused
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.contracts.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.engine.errors import WeightUpdateRefused, refusal
 from pagoda.exec.cpu_memory import trim_heap
 from pagoda.exec.weight_tensors import (ParkedWeights, check_same_layout, copy_weights, park_weights,
                                         prepare_like_runner, weight_slots, weight_tensors)
@@ -48,15 +49,6 @@ _SAME_CONFIG = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
                 "num_key_value_heads", "vocab_size")
 
 
-class WeightUpdateRefused(Exception):
-    """An update, sleep or wake that cannot happen now (`kind`: "invalid" for a bad checkpoint or
-    argument, "conflict" for a state that forbids it)."""
-
-    def __init__(self, message: str, kind: str = "invalid") -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
 @dataclass
 class _Update:
     call_id: int | None
@@ -67,12 +59,6 @@ class _Update:
     started: float
     loaded: tuple[LoadedModel, dict] | None = None
     loaded_time: float = 0.0
-
-
-def refusal(exc: BaseException) -> dict:
-    """The answer to a refused call, as plain data."""
-    kind = exc.kind if isinstance(exc, WeightUpdateRefused) else "invalid"
-    return {"error": str(exc), "kind": kind}
 
 
 class WeightLifecycle:
