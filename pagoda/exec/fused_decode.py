@@ -40,7 +40,7 @@ from pagoda.exec.cpu_grouped_moe import GroupedExperts, grouped_fused_experts, g
 from pagoda.exec.cpu_kernels import load_cpu_kernels
 from pagoda.exec.cpu_linear import PackedLinear, gemm_kernel
 from pagoda.exec.paged_attention import TorchPagedAttention
-from pagoda.exec.quant_linear import TILE_ROWS, int8_gemm, load_quant_kernels, quant_matmul
+from pagoda.exec.quant_linear import TILE_ROWS, Int8Rows, int8_gemm, load_quant_kernels, quant_matmul
 from pagoda.model.cpu_layer_ops import FUSED_DTYPES, load_layer_ops
 from pagoda.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pagoda.model.moe import FusedMoE
@@ -182,7 +182,8 @@ class FusedCPUDecoder:
             weight = module.parts[0]
             bias = None if module.bias is None else module.bias.detach()
             return ops.int8_gemm_linear(weight.data.view(torch.int8), weight.scale, bias, weight.rows)
-        if isinstance(module, QuantLinear) and module.kernel is quant_matmul:
+        # Int8Rows: the rows serve the plan's few rows, as they serve the module's.
+        if isinstance(module, QuantLinear) and (module.kernel is quant_matmul or isinstance(module.kernel, Int8Rows)):
             self._held.append((module, "parts", module.parts))
             parts = module.parts
             bias = None if module.bias is None else module.bias.detach()

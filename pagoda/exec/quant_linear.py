@@ -7,9 +7,12 @@ Q4_1 and int8 the activations are rounded to int8 per 32-block and the dot produ
 integers (AVX512-VNNI or AVX2, as llama.cpp does; csrc/quant_dot.h states the bound), the other
 types dequantize each block in cache. For more rows the weight is dequantized (whole, or in tiles
 for a large head) to the activations' dtype and multiplied by oneDNN's GEMM, whose cost the
-dequantization barely adds to. int8 weights of a bf16 model on a CPU with AVX512-BF16 are reordered
-once for the bf16 GEMM instead (csrc/gemm_bf16.cpp: widened to bf16 in cache, every row count, the
-activations never rounded to int8; `int8_gemm`). The path is picked at run time from the CPU (avx512_vnni, else
+dequantization barely adds to. int8 weights of a bf16 model on a CPU with AVX512-BF16 take the bf16
+GEMM for more rows instead (csrc/gemm_bf16.cpp: reordered once, widened to bf16 in cache, the
+activations never rounded to int8; `int8_gemm`). The few-rows integer path reads a weight's rows,
+the GEMM its task order: both are kept while the int8 weights take at most an eighth of the machine's
+memory (`Int8Rows`; the integer path decodes one stream ~1.45x faster than the GEMM's widening,
+docs/perf-notes.md), else the task order alone serves every row count. The path is picked at run time from the CPU (avx512_vnni, else
 avx2_int8, else scalar); PAGODA_QUANT_ISA forces another: avx512 or avx2 (the float paths, dot
 products in fp32 over dequantized blocks), avx2_int8, scalar.
 """
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from pagoda.cpp_build import build_cpu_extension
+from pagoda.exec.cpu_kv_sizing import mem_total_bytes
 from pagoda.exec.cpu_linear import bucket_rows, gemm_kernel, pack_gemm
 from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.quantized import QuantEmbedding, QuantizedTensor, QuantLinear, quantized_modules
@@ -105,6 +109,17 @@ def to_tasks(weight: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor("int8", weight.rows, weight.cols, packed, weight.scale, layout="tasks")
 
 
+class Int8Rows:
+    """The kernel of an int8 weight held in both orders: its rows (the module's part) for the
+    few-rows integer path, `tasks` (`to_tasks`) for the bf16 GEMM above FUSED_ROWS."""
+
+    def __init__(self, tasks: QuantizedTensor) -> None:
+        self.tasks = tasks
+
+    def __call__(self, x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+        return quant_matmul(x, weight) if x.shape[0] <= FUSED_ROWS else int8_gemm(x, self.tasks)
+
+
 def _int8_gemm_serves(module: QuantLinear, dtype: torch.dtype | None) -> bool:
     return (dtype == torch.bfloat16 and gemm_kernel() is not None and module.in_features % 2 == 0
             and len(module.parts) == 1 and module.parts[0].qtype == "int8")
@@ -125,8 +140,14 @@ def install_quant_kernels(model: nn.Module, device: torch.device) -> int:
         logger.warning("quantized matmul kernels unavailable: %d quantized layers dequantize on every call", len(modules))
         return 0
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)  # the activations'
+    gemm = {id(m) for m in modules if isinstance(m, QuantLinear) and _int8_gemm_serves(m, dtype)}
+    gemm_bytes = sum(m.parts[0].nbytes for m in modules if id(m) in gemm)
+    memory = mem_total_bytes()
+    keep_rows = memory is not None and gemm_bytes <= memory // 8
     for module in modules:
-        if isinstance(module, QuantLinear) and _int8_gemm_serves(module, dtype):
+        if id(module) in gemm and keep_rows:
+            module.kernel = Int8Rows(to_tasks(module.parts[0]))
+        elif id(module) in gemm:
             module.parts = [to_tasks(module.parts[0])]
             module.kernel = int8_gemm
         elif isinstance(module, QuantLinear):

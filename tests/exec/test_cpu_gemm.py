@@ -148,3 +148,34 @@ def test_int8_weights_reordered_for_the_gemm_dequantize_as_before_and_multiply_e
     exact = x.double() @ weight.dequantize().double().t()
     magnitude = x.double().abs() @ weight.dequantize().double().abs().t()
     _assert_bf16_rounding_of_exact(int8_gemm(x, tasks), exact, magnitude, 64)
+
+
+@needs_gemm
+def test_int8_layers_keep_their_rows_for_few_rows_while_memory_allows(monkeypatch):
+    """Few rows take the integer path over the weight's rows (1.45x the GEMM's one-stream rate),
+    more rows the GEMM over the task order; where the int8 weights exceed an eighth of the memory
+    only the task order is kept, for every row count."""
+    from pagoda.exec import quant_linear
+    from pagoda.exec.quant_linear import FUSED_ROWS, Int8Rows, install_quant_kernels, int8_gemm
+    from pagoda.model.quantized import QuantLinear, quantize_int8
+
+    def model():
+        layer = QuantLinear(64, 100)
+        layer.set_parts([quantize_int8(torch.randn(100, 64, generator=torch.Generator().manual_seed(2)))])
+        return torch.nn.Sequential(torch.nn.LayerNorm(64).to(torch.bfloat16), layer)
+
+    kept = model()
+    install_quant_kernels(kept, torch.device("cpu"))
+    layer = kept[1]
+    assert isinstance(layer.kernel, Int8Rows) and layer.parts[0].layout == "rows"
+    calls = []
+    monkeypatch.setattr(quant_linear, "quant_matmul", lambda x, w: calls.append(("rows", x.shape[0])) or int8_gemm(x, layer.kernel.tasks))
+    monkeypatch.setattr(quant_linear, "int8_gemm", lambda x, w: calls.append(("tasks", x.shape[0])) or torch.zeros(x.shape[0], 100, dtype=x.dtype))
+    for rows in (1, FUSED_ROWS, FUSED_ROWS + 1):
+        layer(torch.zeros(rows, 64, dtype=torch.bfloat16))
+    assert calls == [("rows", 1), ("rows", FUSED_ROWS), ("tasks", FUSED_ROWS + 1)]
+    monkeypatch.undo()
+    monkeypatch.setattr(quant_linear, "mem_total_bytes", lambda: 8 * 100 * 64 - 1)
+    short = model()
+    install_quant_kernels(short, torch.device("cpu"))
+    assert short[1].kernel is int8_gemm and short[1].parts[0].layout == "tasks"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagoda import SamplingParams
-from pagoda.exec import fused_decode
+from pagoda.exec import fused_decode, quant_linear
 from pagoda.exec.cpu_grouped_moe import grouped_kernel
 from pagoda.exec.cpu_linear import gemm_kernel
 from pagoda.exec.fused_decode import QUANT_MAX_ROWS, FusedCPUDecoder
@@ -84,9 +84,15 @@ def test_fused_step_equals_the_modules_with_quantized_weights(tmp_path, monkeypa
     write_tiny_gguf(hf, path, "Q4_1")
     _assert_fused_equals_modules(lambda: load_model(str(path), dtype="float32", quantization="gguf"), monkeypatch,
                                  quantized=True)
-    # int8 in bf16 runs on the bf16 GEMM where the CPU has AVX512-BF16: every row count is fused there.
-    _assert_fused_equals_modules(lambda: load_model(str(tmp_path / "hf"), dtype="bfloat16", quantization="int8"),
-                                 monkeypatch, quantized=gemm_kernel() is None)
+
+    def int8():
+        return load_model(str(tmp_path / "hf"), dtype="bfloat16", quantization="int8")
+
+    # int8 in bf16 with AVX512-BF16: rows kept beside the GEMM's order (the few-rows integer path;
+    # beyond it the modules' GEMM), or, where memory is short, the GEMM's order alone: every row count fused.
+    _assert_fused_equals_modules(int8, monkeypatch, quantized=True)
+    monkeypatch.setattr(quant_linear, "mem_total_bytes", lambda: 1)
+    _assert_fused_equals_modules(int8, monkeypatch, quantized=gemm_kernel() is None)
 
 
 def test_fused_step_follows_weights_replaced_under_it(tmp_path, monkeypatch):
