@@ -10,11 +10,13 @@ for a large head) to the activations' dtype and multiplied by oneDNN's GEMM, who
 dequantization barely adds to. int8 weights of a bf16 model on a CPU with AVX512-BF16 take the bf16
 GEMM for more rows instead (csrc/gemm_bf16.cpp: reordered once, widened to bf16 in cache, the
 activations never rounded to int8; `int8_gemm`). The few-rows integer path reads a weight's rows,
-the GEMM its task order: both are kept while the int8 weights take at most an eighth of the machine's
-memory (`Int8Rows`; the integer path decodes one stream ~1.45x faster than the GEMM's widening,
-docs/perf-notes.md), else the task order alone serves every row count. The path is picked at run time from the CPU (avx512_vnni, else
-avx2_int8, else scalar); PAGODA_QUANT_ISA forces another: avx512 or avx2 (the float paths, dot
-products in fp32 over dequantized blocks), avx2_int8, scalar.
+the GEMM its task order: both are kept while the int8 weights take at most an eighth of the
+machine's memory (`Int8Rows`; the integer path decodes one stream ~1.45x faster than the GEMM's
+widening, docs/perf-notes.md), else the task order alone serves every row count.
+
+The path is picked at run time from the CPU (avx512_vnni, else avx2_int8, else scalar);
+PAGODA_QUANT_ISA forces another: avx512 or avx2 (the float paths, dot products in fp32 over
+dequantized blocks), avx2_int8, scalar.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def int8_gemm(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
 
 
 def to_tasks(weight: QuantizedTensor) -> QuantizedTensor:
-    """An int8 row-layout weight reordered for the bf16 GEMM (the row copy is let go)."""
+    """A copy of an int8 row-layout weight in the bf16 GEMM's task order (whether the rows stay is
+    the caller's choice: install_quant_kernels)."""
     packed = pack_gemm(weight.data.view(torch.int8)).view(torch.uint8)
     return QuantizedTensor("int8", weight.rows, weight.cols, packed, weight.scale, layout="tasks")
 
