@@ -11,6 +11,7 @@ from functools import lru_cache
 import torch
 
 from pagoda.exec.cpu_kernels import load_moe_experts
+from pagoda.exec.cpu_linear import pack_tasks
 
 _BLOCK = 16  # output columns per packed block (the kernel's kBlock)
 
@@ -27,13 +28,6 @@ def grouped_kernel():
 def grouped_applies(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     num_experts, hidden, inter = w2.shape
     return w13.dtype == torch.bfloat16 and inter % 32 == 0 and hidden % 64 == 0 and grouped_kernel() is not None
-
-
-def pack_tasks(w: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] -> [E, N/64, K/2, 4, 16, 2]: each task's 4 blocks of 16 output columns, one pair of k
-    of all four per 256 contiguous bytes, so that a task streams one range."""
-    e, n, k = w.shape
-    return w.reshape(e, n // (4 * _BLOCK), 4, _BLOCK, k // 2, 2).permute(0, 1, 4, 2, 3, 5).contiguous()
 
 
 class GroupedExperts:

@@ -1,6 +1,6 @@
 // The bf16 micro-kernel shared by the grouped MoE experts (moe_experts.cpp) and the dense bf16 GEMM
 // (gemm_bf16.cpp): M activation rows against one task's 64 output columns of weights packed as
-// [K/2][4][16][2] bf16 (`pack_tasks` in exec/cpu_grouped_moe.py), one vdpbf16ps per 16 columns and
+// [K/2][4][16][2] bf16 (`pack_tasks` in exec/cpu_linear.py), one vdpbf16ps per 16 columns and
 // pair of k, accumulated in float32. Header-only: each extension compiles it for its own CPU flags.
 #pragma once
 
