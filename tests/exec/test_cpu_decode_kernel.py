@@ -171,3 +171,40 @@ def test_cpp_decode_with_inf_and_nan_equals_the_reference(dtype):
     assert not want.isinf().any()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, equal_nan=True)
+
+
+def _on_two_threads(fn, *args):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# A bf16 model over a bf16 cache takes its own kernel where the CPU has AVX512-BF16 and head_dim is a
+# multiple of 32 (exec/csrc/decode_bf16.h), the general one elsewhere; either must give the float32
+# attention over the cached values, rounded once to bf16. Head sizes of half, one and a half and two
+# 64-wide passes; query heads per KV head filling one to four accumulator rows and more than four;
+# blocks shorter than, as long as and longer than the kernel's 16-token groups; contexts that end
+# inside, at and just past a group.
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+@pytest.mark.parametrize("group", [1, 3, 5, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_bf16_decode_is_the_float32_attention_rounded_once(head_dim, group, block_size):
+    g = torch.Generator().manual_seed(head_dim * group + block_size)
+    hkv, num_blocks = 2, 128
+    kc, vc = (torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([1, 15, 16, 17, 33, 100, 64, 2, 47])
+    per_seq = (int(lens.max()) + block_size - 1) // block_size
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * per_seq].view(len(lens), per_seq)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=g).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    kernel = _kernels().paged_decode
+    got = _on_two_threads(kernel, q, kc, vc, tables, lens, scale)
+    want = _dense_decode(q, kc, vc, tables, lens, scale)
+    # one rounding to bf16 is at most half a step: 2^-8 of the value
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5)
+    # Three sequences on two threads are split into per-KV-head items, nine are not: the same bits.
+    few = _on_two_threads(kernel, q[:3], kc, vc, tables[:3], lens[:3], scale)
+    assert torch.equal(few, got[:3])

@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "block_prefetch.h"
+#include "decode_bf16.h"
 #include "kv_int8.h"
 #include "vec_math.h"
 
@@ -75,6 +77,19 @@ static inline const float* block_rows(const C* cache, int64_t block, int64_t BS,
   }
 }
 
+// Asks for a work item's rows in one cache block (n rows of `heads` KV heads from hk0) over `steps`
+// calls of ahead.step() (block_prefetch.h).
+template <typename C>
+static inline void ask_block(pagoda_kv::Ahead& ahead, const C* cache, int64_t block, int64_t BS, int64_t Hkv,
+                             int64_t D, int64_t hk0, int64_t heads, int64_t n, int64_t steps) {
+  if constexpr (std::is_same_v<C, int8_t>) {  // [blocks, Hkv, BS, W]
+    const int64_t W = pagoda_kv8::row_bytes(D);
+    ahead.start(cache + (block * Hkv + hk0) * BS * W, heads, n * W, BS * W, steps);
+  } else {
+    ahead.start(cache + (block * BS * Hkv + hk0) * D, n, heads * D * sizeof(C), Hkv * D * sizeof(C), steps);
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The eight lane sums of a0..a7, as one vector.
 static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
@@ -103,8 +118,9 @@ static inline void pv_chunk(const float* p, const float* v, int64_t stride, int6
 // scores[h * S + j] = q_h . k_j for the n tokens of one block (`scores` points at the block's first
 // token). A dot product is one chain of dependent FMAs, so eight tokens go at once.
 static inline void qk_block(const float* qf, const float* kb, int64_t stride, int64_t n, int64_t nh, int64_t G,
-                            int64_t D, float* scores, int64_t S) {
+                            int64_t D, float* scores, int64_t S, pagoda_kv::Ahead& ahead) {
   for (int64_t h = 0; h < nh; ++h) {
+    ahead.step();
     const float* qh = qf + h * D;
     const float* kh = kb + (h / G) * D;
     float* sh = scores + h * S;
@@ -135,8 +151,9 @@ static inline void qk_block(const float* qf, const float* kb, int64_t stride, in
 
 // acc[h] += sum_j p[h * S + j] * v_j for the n tokens of one block (`p` points at its first token).
 static inline void pv_block(const float* p, int64_t S, const float* vb, int64_t stride, int64_t n, int64_t nh,
-                            int64_t G, int64_t D, float* acc) {
+                            int64_t G, int64_t D, float* acc, pagoda_kv::Ahead& ahead) {
   for (int64_t h = 0; h < nh; ++h) {
+    ahead.step();
     const float* ph = p + h * S;
     const float* vh = vb + (h / G) * D;
     float* ah = acc + h * D;
@@ -163,6 +180,15 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
   const int64_t items_per_seq = Hkv / heads_kv;
   const int64_t nh = heads_kv * G;  // query heads per work item
   const int64_t row = heads_kv * D;  // floats read per token and per K or V
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+    if (pagoda_decode16::takes(D)) {
+      auto bits = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
+      pagoda_decode16::decode(bits(q), qs0, qs1, bits(kc), bits(vc), bt, lens, out, B, Hq, Hkv, D, BS, max_blocks, scale, heads_kv);
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, B * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(nh * D), acc(nh * D), inv(nh), scores, buf(BS * row);
     for (int64_t idx = begin; idx < end; ++idx) {
@@ -173,10 +199,13 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(q[b * qs0 + (h0 + h) * qs1 + d]) * scale;
       int64_t stride;
+      pagoda_kv::Ahead ahead;  // the next block's rows, asked for while this one is worked on
       for (int64_t t0 = 0; t0 < S; t0 += BS) {
         const int64_t n = std::min(BS, S - t0);
+        if (t0 + BS < S) ask_block(ahead, kc, table[t0 / BS + 1], BS, Hkv, D, hk0, heads_kv, std::min(BS, S - t0 - BS), nh);
+        else ask_block(ahead, vc, table[0], BS, Hkv, D, hk0, heads_kv, std::min(BS, S), nh);
         const float* kb = block_rows(kc, table[t0 / BS], BS, Hkv, D, hk0, row, n, buf.data(), stride);
-        qk_block(qf.data(), kb, stride, n, nh, G, D, &scores[t0], S);
+        qk_block(qf.data(), kb, stride, n, nh, G, D, &scores[t0], S, ahead);
       }
       for (int64_t h = 0; h < nh; ++h) {
         float* sh = &scores[h * S];
@@ -186,8 +215,10 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < S; t0 += BS) {
         const int64_t n = std::min(BS, S - t0);
+        if (t0 + BS < S) ask_block(ahead, vc, table[t0 / BS + 1], BS, Hkv, D, hk0, heads_kv, std::min(BS, S - t0 - BS), nh);
+        else ahead.none();
         const float* vb = block_rows(vc, table[t0 / BS], BS, Hkv, D, hk0, row, n, buf.data(), stride);
-        pv_block(&scores[t0], S, vb, stride, n, nh, G, D, acc.data());
+        pv_block(&scores[t0], S, vb, stride, n, nh, G, D, acc.data(), ahead);
       }
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t d = 0; d < D; ++d)
