@@ -1,6 +1,6 @@
-"""The C++ float32 prefill attention (csrc/prefill_attention.cpp) equals causal SDPA, and the CPU
-backend uses it for prefills of every dtype (fresh prompts and chunks over cached context): bf16
-widened to float32 and the output rounded once, as the decode kernel does."""
+"""The C++ prefill attention (csrc/prefill_attention.cpp) equals causal SDPA, and the CPU backend
+uses it for prefills of every dtype (fresh prompts and chunks over cached context): float32, and
+bf16 with exact products summed in float32 and the output rounded once, as the decode kernel does."""
 
 from __future__ import annotations
 
@@ -48,6 +48,23 @@ def test_equals_causal_sdpa(n, seq_len, hq, hkv, d):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "n,seq_len,hq,hkv,d",
+    [(7, 7, 9, 3, 64), (33, 33, 4, 1, 32), (272, 272, 9, 3, 64), (1, 300, 9, 3, 64), (50, 110, 8, 2, 128),
+     (100, 613, 6, 3, 48), (20, 90, 2, 2, 16)],
+)
+def test_bf16_is_the_float32_attention_rounded_once(n, seq_len, hq, hkv, d):
+    """bf16 in, bf16 out: the float32 attention over the bf16 values within one rounding (2^-8 of the
+    value), on the vdpbf16ps path (head sizes of whole 32s) and the widened one (48, 16)."""
+    g = torch.Generator().manual_seed(n * 1000 + seq_len + 7)
+    q, k, v = (t.bfloat16() for t in _fused_qkv(n, seq_len, hq, hkv, d, g))
+    scale = d**-0.5
+    got = kernel.prefill_attention(q, k, v, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (n, hq, d)
+    want = causal_sdpa(q.float(), k.float(), v.float(), scale)
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2**-8)
+
+
 def test_large_scores_keep_the_softmax_finite():
     # Scores of several hundred: exp without the running max would overflow to inf/NaN.
     g = torch.Generator().manual_seed(5)
@@ -72,8 +89,9 @@ def _attention_over_visible_keys(q, k, v, scale):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,seq_len", [(70, 70), (70, 200)])
-def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len):
+def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len, dtype):
     """NaN and +inf scores make their rows NaN and a -inf score weighs 0, as torch's softmax has it;
     a key past a query's position contributes nothing to it, even a NaN value (causal SDPA lets that
     NaN into every row of the block: 0 * NaN)."""
@@ -90,12 +108,14 @@ def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len):
     k[pos(10), 0, 0] = float("-inf")  # KV head 0: that key weighs 0 for every later row
     k[pos(60), 1, 0] = float("inf")  # KV head 1: an inf score, NaN rows from query 60 on
     q[20, 3, 2] = float("nan")  # one query head of one row
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     want = _attention_over_visible_keys(q, k, v, d**-0.5)
     got = kernel.prefill_attention(q, k, v, d**-0.5)
     nan_rows = want.isnan().any(-1)  # [n, Hq]
     assert nan_rows[:, :2].nonzero()[:, 0].unique().tolist() == list(range(40, n))
     assert nan_rows[:, 2:].nonzero()[:, 0].unique().tolist() == [20, *range(60, n)]
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, equal_nan=True)
+    atol, rtol = (2e-5, 1e-4) if dtype == torch.float32 else (1e-5, 2**-8)
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol, equal_nan=True)
     # Every score -inf (each key's dim 0): no weight left, NaN, as torch's softmax gives.
     k[:, 1, 0] = float("-inf")
     assert kernel.prefill_attention(q, k, v, d**-0.5)[:, 2:].isnan().all()
@@ -103,8 +123,10 @@ def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len):
 
 def test_bad_inputs_are_refused_with_a_message():
     q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
-    with pytest.raises(RuntimeError, match="takes float32"):
-        kernel.prefill_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), 1.0)
+    with pytest.raises(RuntimeError, match="takes float32 or bfloat16, the same for q, k and v"):
+        kernel.prefill_attention(q.bfloat16(), k, k, 1.0)
+    with pytest.raises(RuntimeError, match="takes float32 or bfloat16"):
+        kernel.prefill_attention(q.half(), k.half(), k.half(), 1.0)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernel.prefill_attention(torch.randn(4, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8), 1.0)
     with pytest.raises(RuntimeError, match="S >= the query count"):
@@ -132,8 +154,8 @@ def test_backend_routes_cpu_prefills_of_each_dtype_to_the_kernel(monkeypatch):
         k_cache.view(-1, 1, d)[:20] = torch.randn(20, 1, d).to(dtype)
         v_cache.view(-1, 1, d)[:20] = torch.randn(20, 1, d).to(dtype)
         backend._prefill(q, k, v, k_cache, v_cache, meta, 0, 20, 0.25)  # a chunk over 10 cached tokens
-    # float32 and bf16 (widened) reach the kernel; head_dim 8 is not the kernel's.
-    assert calls == [("kernel", torch.float32)] * 4 + ["sdpa", "sdpa"]
+    # float32 and bf16 reach the kernel as they are; head_dim 8 is not the kernel's.
+    assert calls == [("kernel", torch.float32)] * 2 + [("kernel", torch.bfloat16)] * 2 + ["sdpa", "sdpa"]
 
 
 def test_bf16_prefill_depends_only_on_the_keys_each_position_sees():

@@ -20,10 +20,12 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "bf16_tile.h"
 #include "vec_math.h"
 
 namespace {
@@ -61,10 +63,59 @@ inline void tile(const float* A, int64_t lda, const float* B, int64_t ldb, int64
   }
 }
 
+#if defined(__AVX512F__)
+// tile's AVX-512 form: C[R x 16 NV] (=, or +=) A[R x K] B[K x 16 NV]. Each of C's values is the
+// same chain of FMAs over k as in tile, so the two give the same bits.
+template <int R, int NV, bool ACC>
+inline void tile512(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t K, float* C, int64_t ldc) {
+  __m512 c[R][NV];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[r][v] = ACC ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + 16 * v);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * lda + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_fmadd_ps(a, b[v], c[r][v]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
+}
+
+template <int NV, bool ACC>
+inline void rows512(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M, int64_t K, float* C,
+                    int64_t ldc) {
+  int64_t i = 0;
+  for (; i + 6 <= M; i += 6) tile512<6, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc);
+  switch (M - i) {
+    case 5: tile512<5, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
+    case 4: tile512<4, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
+    case 3: tile512<3, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
+    case 2: tile512<2, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
+    case 1: tile512<1, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
+    default: break;
+  }
+}
+#endif
+
 // C[M x N] (=, or +=) A[M x K] B[K x N], N a multiple of 16.
 template <bool ACC>
 void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K, float* C,
           int64_t ldc) {
+#if defined(__AVX512F__)
+  int64_t j = 0;
+  for (; j + 64 <= N; j += 64) rows512<4, ACC>(A, lda, B + j, ldb, M, K, C + j, ldc);
+  for (; j + 32 <= N; j += 32) rows512<2, ACC>(A, lda, B + j, ldb, M, K, C + j, ldc);
+  for (; j < N; j += 16) rows512<1, ACC>(A, lda, B + j, ldb, M, K, C + j, ldc);
+#else
   for (int64_t j = 0; j < N; j += 16) {
     int64_t i = 0;
     for (; i + MR <= M; i += MR) tile<MR, ACC>(A + i * lda, lda, B + j, ldb, K, C + i * ldc + j, ldc);
@@ -79,34 +130,90 @@ void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M, i
       default: break;
     }
   }
+#endif
 }
 
 }  // namespace
 
-// q [n, Hq, D], k and v [S, Hkv, D] (any strides but a contiguous head_dim), n <= S; query i
-// sits at position S - n + i and attends keys 0..S - n + i. Returns [n, Hq, D].
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-                  v.scalar_type() == torch::kFloat32,
-              "prefill_attention takes float32");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
-  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), S = k.size(0), Hkv = k.size(1);
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D && Hkv > 0 && Hq % Hkv == 0 && n <= S,
-              "k and v must be [S, Hkv, D] with S >= the query count and Hkv dividing Hq");
-  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
-  for (const auto* t : {&q, &k, &v}) TORCH_CHECK(t->stride(2) == 1, "head_dim must be contiguous");
+namespace {
+
+// The queries of one work item and one block of keys, packed for the scores' GEMM: float32 (q
+// scaled, K transposed) for the float32 micro-kernel, or bf16 pairs (K as [D/2][64][2], the layout
+// of bf16_tile.h) for vdpbf16ps, whose products of two bf16 values are exact in float32.
+struct F32Scores {
+  std::vector<float> Qp, Kt;
+  F32Scores(int64_t M, int64_t D) : Qp(M * D), Kt(D * BK) {}
+  void load_q(int64_t r, const float* src, int64_t D, float scale) {
+    for (int64_t d = 0; d < D; ++d) Qp[r * D + d] = src[d] * scale;
+  }
+  void load_k(const float* kp, int64_t ks, int64_t nk, int64_t nkp, int64_t D) {
+    for (int64_t d = 0; d < D; ++d) {
+      float* kt = &Kt[d * BK];
+      for (int64_t j = 0; j < nk; ++j) kt[j] = kp[j * ks + d];
+      for (int64_t j = nk; j < nkp; ++j) kt[j] = 0.f;
+    }
+  }
+  void scores(int64_t rows, int64_t nkp, int64_t D, float, float* Sc) {
+    gemm<false>(Qp.data(), D, Kt.data(), BK, rows, nkp, D, Sc, BK);
+  }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+struct Bf16Scores {
+  std::vector<uint16_t> Qp, Kt;
+  std::vector<const uint16_t*> rows_;
+  Bf16Scores(int64_t M, int64_t D) : Qp(M * D), Kt(D * BK), rows_(M) {}
+  void load_q(int64_t r, const uint16_t* src, int64_t D, float) {
+    std::copy_n(src, D, &Qp[r * D]);
+    rows_[r] = &Qp[r * D];
+  }
+  void load_k(const uint16_t* kp, int64_t ks, int64_t nk, int64_t, int64_t D) {
+    uint32_t* kt = reinterpret_cast<uint32_t*>(Kt.data());  // [D/2][BK] pairs of d
+    for (int64_t j = 0; j < BK; ++j) {
+      if (j < nk) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(kp + j * ks);
+        for (int64_t p = 0; p < D / 2; ++p) kt[p * BK + j] = src[p];
+      } else {
+        for (int64_t p = 0; p < D / 2; ++p) kt[p * BK + j] = 0;
+      }
+    }
+  }
+  // The scale goes on the float32 sums (on q it would round for a head size that is not a power of 4).
+  void scores(int64_t rows, int64_t nkp, int64_t D, float scale, float* Sc) {
+    static_assert(BK == pagoda_bf16::kNB * pagoda_bf16::kBlock, "a key block is one bf16 tile's columns");
+    for (int64_t r = 0; r < rows;) {
+      const int m = static_cast<int>(pagoda_bf16::pass_rows(rows - r));
+      pagoda_bf16::tile_rows<false>(m, &rows_[r], Kt.data(), D, reinterpret_cast<float(*)[BK]>(Sc + r * BK));
+      r += m;
+    }
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < nkp; j += 16) _mm512_storeu_ps(Sc + r * BK + j, _mm512_mul_ps(_mm512_loadu_ps(Sc + r * BK + j), vs));
+  }
+};
+#endif
+
+inline void load_v(const float* src, int64_t D, float* dst) { std::copy_n(src, D, dst); }
+inline void load_v(const uint16_t* src, int64_t D, float* dst) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = pagoda_bf16::to_float(src[d]);
+}
+inline void store_out(float v, float* dst) { *dst = v; }
+inline void store_out(float v, uint16_t* dst) {
+  const c10::BFloat16 b(v);  // round to nearest even, as torch rounds
+  std::memcpy(dst, &b, sizeof(*dst));
+}
+
+// The kernel over inputs of type T (float, or bf16 bits) with the scores of Scores.
+template <typename T, typename Scores>
+void run(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t Hq, int64_t D, int64_t S, int64_t Hkv,
+         int64_t qs, int64_t ks, int64_t vs, int64_t qhs, int64_t khs, int64_t vhs, float fscale) {
   const int64_t G = Hq / Hkv, ctx = S - n, M = G * BQ;
-  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
-  const int64_t qhs = q.stride(1), khs = k.stride(1), vhs = v.stride(1);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  auto out = torch::empty({n, Hq, D}, q.options());
-  float* op = out.data_ptr<float>();
   const int64_t nqb = (n + BQ - 1) / BQ;
-  const float fscale = static_cast<float>(scale);
   // Later query blocks see more keys: hand items out dynamically, the costliest first.
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> Qp(M * D), Kt(D * BK), Vp(BK * D), Sc(M * BK), O(M * D), mx(M), sum(M);
+    Scores qk(M, D);
+    std::vector<float> Vp(BK * D), Sc(M * BK), O(M * D), mx(M), sum(M);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < nqb * Hkv; ++item) {
       const int64_t qb = nqb - 1 - item / Hkv, h = item % Hkv;
@@ -114,11 +221,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
       // Rows g * nq + i of the stacked block: query head h * G + g at chunk position i0 + i.
       const int64_t rows = G * nq;
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < nq; ++i) {
-          const float* src = qp + (i0 + i) * qs + (h * G + g) * qhs;
-          float* dst = &Qp[(g * nq + i) * D];
-          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * fscale;
-        }
+        for (int64_t i = 0; i < nq; ++i) qk.load_q(g * nq + i, qp + (i0 + i) * qs + (h * G + g) * qhs, D, fscale);
       std::fill(O.begin(), O.begin() + rows * D, 0.f);
       std::fill(mx.begin(), mx.begin() + rows, kNoMax);
       std::fill(sum.begin(), sum.begin() + rows, 0.f);
@@ -126,13 +229,9 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
       for (int64_t j0 = 0; j0 < kend; j0 += BK) {
         const int64_t nk = std::min(BK, kend - j0);
         const int64_t nkp = (nk + 15) / 16 * 16;  // columns padded to whole tiles
-        for (int64_t d = 0; d < D; ++d) {
-          float* kt = &Kt[d * BK];
-          for (int64_t j = 0; j < nk; ++j) kt[j] = kp[(j0 + j) * ks + h * khs + d];
-          for (int64_t j = nk; j < nkp; ++j) kt[j] = 0.f;
-        }
-        for (int64_t j = 0; j < nk; ++j) std::copy_n(vp + (j0 + j) * vs + h * vhs, D, &Vp[j * D]);
-        gemm<false>(Qp.data(), D, Kt.data(), BK, rows, nkp, D, Sc.data(), BK);
+        qk.load_k(kp + j0 * ks + h * khs, ks, nk, nkp, D);
+        for (int64_t j = 0; j < nk; ++j) load_v(vp + (j0 + j) * vs + h * vhs, D, &Vp[j * D]);
+        qk.scores(rows, nkp, D, fscale, Sc.data());
         // Keys [0, all_see) are visible to every row; row r also sees [all_see, visible(r)).
         const auto visible = [&](int64_t r) { return std::clamp<int64_t>(ctx + i0 + r % nq + 1 - j0, 0, nk); };
         const int64_t all_see = visible(0);
@@ -172,11 +271,49 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
         for (int64_t i = 0; i < nq; ++i) {
           const int64_t r = g * nq + i;
           const float inv = 1.f / sum[r];
-          float* dst = op + ((i0 + i) * Hq + h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = O[r * D + d] * inv;
+          T* dst = op + ((i0 + i) * Hq + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) store_out(O[r * D + d] * inv, dst + d);
         }
     }
   }
+}
+
+}  // namespace
+
+// q [n, Hq, D], k and v [S, Hkv, D] (any strides but a contiguous head_dim), n <= S, all float32 or
+// all bf16; query i sits at position S - n + i and attends keys 0..S - n + i. Returns [n, Hq, D] in
+// the inputs' dtype. bf16 takes vdpbf16ps for the scores where the CPU has AVX512-BF16 and D % 32
+// == 0, and is widened to float32 (the output rounded once) elsewhere.
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype,
+              "prefill_attention takes float32 or bfloat16, the same for q, k and v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), S = k.size(0), Hkv = k.size(1);
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D && Hkv > 0 && Hq % Hkv == 0 && n <= S,
+              "k and v must be [S, Hkv, D] with S >= the query count and Hkv dividing Hq");
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
+  for (const auto* t : {&q, &k, &v}) TORCH_CHECK(t->stride(2) == 1, "head_dim must be contiguous");
+  const float fscale = static_cast<float>(scale);
+  if (dtype == torch::kBFloat16) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (D % 32 == 0) {
+      auto out = torch::empty({n, Hq, D}, q.options());
+      const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+      run<uint16_t, Bf16Scores>(bits(q), bits(k), bits(v), reinterpret_cast<uint16_t*>(out.data_ptr()), n, Hq, D, S,
+                                Hkv, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
+                                fscale);
+      return out;
+    }
+#endif
+    return prefill_attention(q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32), scale)
+        .to(torch::kBFloat16);
+  }
+  auto out = torch::empty({n, Hq, D}, q.options());
+  run<float, F32Scores>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), n, Hq,
+                        D, S, Hkv, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
+                        fscale);
   return out;
 }
 
