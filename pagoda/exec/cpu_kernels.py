@@ -1,6 +1,6 @@
 """The execution layer's C++ CPU kernels, compiled on first use (or at `make install`) and cached:
-the paged KV cache's (decode attention over the blocks, KV write) and prefill attention (float32
-math; the backend widens bf16 and fp16 inputs to it)."""
+the paged KV cache's (decode attention over the blocks, KV write; a bf16 kernel on AVX512-BF16 in
+`csrc/decode_bf16.h`) and prefill attention (float32 or bf16 in; the backend widens fp16)."""
 
 from __future__ import annotations
 
