@@ -22,7 +22,7 @@ def dashboard_server(tmp_path_factory):
     keys = folder / "api_keys.json"
     keys.write_text(json.dumps([{"key": key, "name": name} for name, key in TENANT_KEYS.items()]))
     srv = ServerProcess([
-        str(folder), "--dtype", "float32", "--max-model-len", "2048", "--num-gpu-blocks-override", "400",
+        str(folder), "--dtype", "float32", "--max-model-len", "4096", "--num-gpu-blocks-override", "600",
         "--max-num-seqs", "2", "--long-prefill-token-threshold", str(PREFILL_CHUNK), "--api-keys-file", str(keys),
         "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2}),
         "--log-stats-interval", "0",

@@ -91,10 +91,12 @@ def test_top_shows_the_running_and_waiting_counts_of_load(dashboard_server):
 
     def long_stream(i: int) -> None:
         # The server allows two running requests: of four long ones, two wait. Closing the stream
-        # aborts the request.
+        # aborts the request. 4,000 tokens hold the two-and-two state for ~2.5 s on the tiny model
+        # (2,000 held it ~1.3 s, which a loaded machine's screen refresh and polls could miss); the
+        # server's 600 blocks hold two such requests without preempting either.
         with httpx.Client(timeout=120) as client:
             with client.stream("POST", f"{srv.base_url}/completions", headers=auth("team-b"), json={
-                "prompt": [40 + i] * 8, "max_tokens": 2000, "ignore_eos": True, "stream": True,
+                "prompt": [40 + i] * 8, "max_tokens": 4000, "ignore_eos": True, "stream": True,
             }) as r:
                 assert r.status_code == 200
                 started.append(i)
