@@ -25,6 +25,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16_tile.h"
 #include "block_prefetch.h"
 #include "vec_math.h"
 
@@ -103,10 +104,6 @@ static inline void qk(const uint16_t* const* qh, const Rows& k, const Rows& v, i
   }
 }
 
-static inline __m512 widen(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // acc[(h0 + h) * D + d0 + 16 z] += sum_j p[(h0 + h) * S + j] * v_j[d0 + 16 z] over the n rows of one
 // block (`rows`: the first row's columns of the heads' KV head), for HN heads and NZ vectors of 16.
 template <int HN, int NZ>
@@ -121,7 +118,7 @@ static inline void pv_part(const float* p, int64_t S, const uint16_t* rows, int6
     ahead.step();
     __m512 x[NZ];
 #pragma GCC unroll 4
-    for (int z = 0; z < NZ; ++z) x[z] = widen(rows + j * stride + d0 + 16 * z);
+    for (int z = 0; z < NZ; ++z) x[z] = pagoda_bf16::from_bf16(pagoda_bf16::load16(rows + j * stride + d0 + 16 * z));
 #pragma GCC unroll 4
     for (int h = 0; h < HN; ++h) {
       const __m512 w = _mm512_set1_ps(p[(h0 + h) * S + j]);

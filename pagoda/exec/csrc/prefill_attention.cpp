@@ -160,13 +160,10 @@ struct F32Scores {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 struct Bf16Scores {
-  std::vector<uint16_t> Qp, Kt;
-  std::vector<const uint16_t*> rows_;
-  Bf16Scores(int64_t M, int64_t D) : Qp(M * D), Kt(D * BK), rows_(M) {}
-  void load_q(int64_t r, const uint16_t* src, int64_t D, float) {
-    std::copy_n(src, D, &Qp[r * D]);
-    rows_[r] = &Qp[r * D];
-  }
+  std::vector<uint16_t> Kt;
+  std::vector<const uint16_t*> rows_;  // the queries' rows, read where they are (unscaled)
+  Bf16Scores(int64_t M, int64_t D) : Kt(D * BK), rows_(M) {}
+  void load_q(int64_t r, const uint16_t* src, int64_t, float) { rows_[r] = src; }
   void load_k(const uint16_t* kp, int64_t ks, int64_t nk, int64_t, int64_t D) {
     uint32_t* kt = reinterpret_cast<uint32_t*>(Kt.data());  // [D/2][BK] pairs of d
     for (int64_t j = 0; j < BK; ++j) {
