@@ -8,6 +8,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -117,6 +118,48 @@ void tile_rows(int rows, const uint16_t* const* a, const uint16_t* w, int64_t k,
     case 4: tile<4, Stream>(a, w, k, c); break;
     case 5: tile<5, Stream>(a, w, k, c); break;
     default: tile<6, Stream>(a, w, k, c); break;
+  }
+}
+
+// Rows per GEMM task at most (gemm_bf16.cpp, gemm_int8.cpp): 32 passes over L2-resident weights (96
+// measured alike).
+constexpr int64_t kChunkRows = 192;
+
+// A GEMM's tasks: (64 output columns, a chunk of rows) each.
+struct Plan {
+  int64_t chunk;   // rows per task
+  int64_t chunks;  // row chunks
+  int64_t tasks;
+};
+
+// Enough tasks for the threads (4 per thread where the rows allow), chunks a multiple of a pass of
+// `pass` rows (the micro-kernel's).
+inline Plan plan(int64_t m, int64_t blocks, int threads, int64_t pass = kMR) {
+  int64_t want = (4 * threads + blocks - 1) / blocks;
+  want = std::max<int64_t>(1, std::min(want, (m + pass - 1) / pass));
+  int64_t chunk = (m + want - 1) / want;
+  chunk = std::min(kChunkRows, (chunk + pass - 1) / pass * pass);
+  const int64_t chunks = (m + chunk - 1) / chunk;
+  return {chunk, chunks, chunks * blocks};
+}
+
+// One row's sums of a task to bf16: times scale, plus bias (either may be null), `cols` of them.
+inline void store_row(const float* c, int64_t cols, const float* scale, const float* bias, uint16_t* dst) {
+  int64_t j = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  for (; j < cols; j += kBlock) {
+    const __mmask16 mask = cols - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    __m512 v = _mm512_loadu_ps(c + j);
+    if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scale + j));
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + j));
+    _mm256_mask_storeu_epi16(dst + j, mask, to_bf16(v));
+  }
+#endif
+  for (; j < cols; ++j) {
+    float v = c[j];
+    if (scale != nullptr) v *= scale[j];
+    if (bias != nullptr) v += bias[j];
+    dst[j] = bf16(v).x;
   }
 }
 

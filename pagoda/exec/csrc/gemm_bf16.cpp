@@ -35,44 +35,6 @@ namespace {
 using namespace pagoda_bf16;
 using Opt = std::optional<torch::Tensor>;
 constexpr int kCols = kNB * kBlock;  // output columns per task
-constexpr int64_t kChunkRows = 192;  // rows per task at most: 32 passes over L2-resident weights (96 measured alike)
-
-struct Plan {
-  int64_t chunk;   // rows per task
-  int64_t chunks;  // row chunks
-  int64_t tasks;
-};
-
-// Enough tasks for the threads (4 per thread where the rows allow), chunks a multiple of a pass.
-Plan plan(int64_t m, int64_t blocks, int threads) {
-  int64_t want = (4 * threads + blocks - 1) / blocks;
-  want = std::max<int64_t>(1, std::min(want, (m + kMR - 1) / kMR));
-  int64_t chunk = (m + want - 1) / want;
-  chunk = std::min(kChunkRows, (chunk + kMR - 1) / kMR * kMR);
-  const int64_t chunks = (m + chunk - 1) / chunk;
-  return {chunk, chunks, chunks * blocks};
-}
-
-// One row's sums of a task to bf16: times scale, plus bias (either may be null), `cols` of them.
-inline void store_row(const float* c, int64_t cols, const float* scale, const float* bias, uint16_t* dst) {
-  int64_t j = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  for (; j < cols; j += kBlock) {
-    const __mmask16 mask = cols - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
-    __m512 v = _mm512_loadu_ps(c + j);
-    if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scale + j));
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + j));
-    _mm256_mask_storeu_epi16(dst + j, mask, to_bf16(v));
-  }
-#endif
-  for (; j < cols; ++j) {
-    float v = c[j];
-    if (scale != nullptr) v *= scale[j];
-    if (bias != nullptr) v += bias[j];
-    dst[j] = bf16(v).x;
-  }
-}
-
 // Rows [r0, r1) of x against one task's packed weights w (k wide), written to y's columns
 // [col0, col0 + 64) that lie below n, each column's sum times scale[col] (if given) plus bias[col].
 // `cached`: w was just written (a widened panel), so never prefetch it non-temporal.
