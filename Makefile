@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 # use builds afresh whatever this stamp says.
 $(KERNELS): $(STAMP) $(wildcard pagoda/*/csrc/*.cpp pagoda/*/csrc/*.h pagoda/csrc/*.h) pagoda/cpp_build.py
 	$(PY) -c "from pagoda.model.cpu_layer_ops import load_layer_ops; load_layer_ops()"
-	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels, load_gemm_bf16, load_moe_experts, load_prefill_attention; load_cpu_kernels(); load_prefill_attention(); load_gemm_bf16(); load_moe_experts()"
+	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels, load_gemm_bf16, load_gemm_int8, load_moe_experts, load_prefill_attention; load_cpu_kernels(); load_prefill_attention(); load_gemm_bf16(); load_gemm_int8(); load_moe_experts()"
 	$(PY) -c "from pagoda.exec.quant_linear import load_quant_kernels; from pagoda.exec.fused_decode import load_fused_decode; load_quant_kernels(); load_fused_decode()"
 	touch $(KERNELS)
 

@@ -31,6 +31,12 @@ def load_moe_experts():
 
 
 @lru_cache(maxsize=1)
+def load_gemm_int8():
+    """The compiled W8A8 module (`gemm_int8`, `has_vnni`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+    return build_cpu_extension("pagoda_gemm_int8", _CSRC / "gemm_int8.cpp", "CPU int8 GEMM")
+
+
+@lru_cache(maxsize=1)
 def load_gemm_bf16():
     """The compiled module (`gemm_bf16`, `gemm_i8_bf16`, `has_avx512_bf16`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
     return build_cpu_extension("pagoda_gemm_bf16", _CSRC / "gemm_bf16.cpp", "CPU bf16 GEMM")

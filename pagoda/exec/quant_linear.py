@@ -7,12 +7,16 @@ Q4_1 and int8 the activations are rounded to int8 per 32-block and the dot produ
 integers (AVX512-VNNI or AVX2, as llama.cpp does; csrc/quant_dot.h states the bound), the other
 types dequantize each block in cache. For more rows the weight is dequantized (whole, or in tiles
 for a large head) to the activations' dtype and multiplied by oneDNN's GEMM, whose cost the
-dequantization barely adds to. int8 weights of a bf16 model on a CPU with AVX512-BF16 take the bf16
-GEMM for more rows instead (csrc/gemm_bf16.cpp: reordered once, widened to bf16 in cache, the
-activations never rounded to int8; `int8_gemm`). The few-rows integer path reads a weight's rows,
-the GEMM its task order: both are kept while the int8 weights take at most an eighth of the
-machine's memory (`Int8Rows`; the integer path decodes one stream ~1.45x faster than the GEMM's
-widening, docs/perf-notes.md), else the task order alone serves every row count.
+dequantization barely adds to. int8 weights above the few rows, on a CPU with AVX512-VNNI and K a
+multiple of 32, take the W8A8 GEMM instead (csrc/gemm_int8.cpp, `w8a8_gemm`: the activations
+rounded to int8 per 32 values as the few-rows path rounds them, integer dot products; 1.16x the
+unquantized path's batch throughput in bf16, 1.6x in float32, docs/benchmarks.md); without VNNI,
+int8 weights of a bf16 model on a CPU with AVX512-BF16 take the bf16 GEMM (csrc/gemm_bf16.cpp:
+reordered once, widened to bf16 in cache; `int8_gemm`). The few-rows integer path reads a weight's
+rows, the GEMMs their own order: both are kept while the int8 weights take at most an eighth of the
+machine's memory (`Int8Rows`; the integer path decodes one stream ~1.45x faster than the bf16 GEMM's
+widening, docs/perf-notes.md), else the bf16 GEMM's task order alone serves every row count, or
+(float32) the rows do, dequantized for oneDNN above the few rows.
 
 The path is picked at run time from the CPU (avx512_vnni, else avx2_int8, else scalar);
 PAGODA_QUANT_ISA forces another: avx512 or avx2 (the float paths, dot products in fp32 over
@@ -31,6 +35,7 @@ import torch
 from torch import nn
 
 from pagoda.cpp_build import build_cpu_extension
+from pagoda.exec.cpu_kernels import load_gemm_int8
 from pagoda.exec.cpu_kv_sizing import mem_total_bytes
 from pagoda.exec.cpu_linear import bucket_rows, gemm_kernel, pack_gemm
 from pagoda.model.loader import cpu_has_bf16
@@ -112,20 +117,55 @@ def to_tasks(weight: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor("int8", weight.rows, weight.cols, packed, weight.scale, layout="tasks")
 
 
-class Int8Rows:
-    """The kernel of an int8 weight held in both orders: its rows (the module's part) for the
-    few-rows integer path, `tasks` (`to_tasks`) for the bf16 GEMM above FUSED_ROWS."""
+def w8a8_gemm(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """x [M, K] float32 or bf16 @ dequantize(weight).T for an int8 weight in the "w8a8" layout
+    (`to_w8a8`): the activations rounded to int8 per 32 values, integer dot products (csrc/gemm_int8.cpp)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return load_gemm_int8().gemm_int8(x, weight.data, weight.scale, None, weight.rows)
 
-    def __init__(self, tasks: QuantizedTensor) -> None:
-        self.tasks = tasks
+
+def to_w8a8(weight: QuantizedTensor) -> QuantizedTensor:
+    """A copy of an int8 row-layout weight in the W8A8 GEMM's order: per 64 output columns
+    [K/4][4][16][4] bytes, each int8 value + 128 (zero rows padding N)."""
+    q = weight.data.view(torch.int8)
+    if weight.rows % 64:
+        q = torch.cat([q, q.new_zeros(64 - weight.rows % 64, weight.cols)])
+    packed = q.reshape(-1, 4, 16, weight.cols // 4, 4).permute(0, 3, 1, 2, 4).contiguous().view(torch.uint8) ^ 0x80
+    return QuantizedTensor("int8", weight.rows, weight.cols, packed, weight.scale, layout="w8a8")
+
+
+class Int8Rows:
+    """The kernel of an int8 weight held in two orders: its rows (the module's part) for the
+    few-rows integer path, `copy` for `gemm` (w8a8_gemm or int8_gemm) above FUSED_ROWS."""
+
+    def __init__(self, copy: QuantizedTensor, gemm) -> None:
+        self.copy = copy
+        self.gemm = gemm
 
     def __call__(self, x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
-        return quant_matmul(x, weight) if x.shape[0] <= FUSED_ROWS else int8_gemm(x, self.tasks)
+        return quant_matmul(x, weight) if x.shape[0] <= FUSED_ROWS else self.gemm(x, self.copy)
+
+
+def _int8_only(module: QuantLinear) -> bool:
+    return len(module.parts) == 1 and module.parts[0].qtype == "int8"
 
 
 def _int8_gemm_serves(module: QuantLinear, dtype: torch.dtype | None) -> bool:
-    return (dtype == torch.bfloat16 and gemm_kernel() is not None and module.in_features % 2 == 0
-            and len(module.parts) == 1 and module.parts[0].qtype == "int8")
+    return dtype == torch.bfloat16 and gemm_kernel() is not None and module.in_features % 2 == 0 and _int8_only(module)
+
+
+def w8a8_kernel() -> ModuleType | None:
+    """The W8A8 module where the CPU has AVX512-VNNI and it builds (PAGODA_NO_W8A8=1: never)."""
+    if os.environ.get("PAGODA_NO_W8A8") == "1":
+        return None
+    ops = load_gemm_int8()
+    return ops if ops is not None and ops.has_vnni() else None
+
+
+def _w8a8_serves(module: QuantLinear, dtype: torch.dtype | None) -> bool:
+    return (dtype in (torch.float32, torch.bfloat16) and module.in_features % 32 == 0 and _int8_only(module)
+            and w8a8_kernel() is not None)
 
 
 def quant_gather(weight: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
@@ -143,13 +183,17 @@ def install_quant_kernels(model: nn.Module, device: torch.device) -> int:
         logger.warning("quantized matmul kernels unavailable: %d quantized layers dequantize on every call", len(modules))
         return 0
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)  # the activations'
-    gemm = {id(m) for m in modules if isinstance(m, QuantLinear) and _int8_gemm_serves(m, dtype)}
-    gemm_bytes = sum(m.parts[0].nbytes for m in modules if id(m) in gemm)
+    linears = [m for m in modules if isinstance(m, QuantLinear)]
+    w8a8 = {id(m) for m in linears if _w8a8_serves(m, dtype)}
+    gemm = {id(m) for m in linears if _int8_gemm_serves(m, dtype)}
+    second = sum(m.parts[0].nbytes for m in linears if id(m) in w8a8 | gemm)  # a second copy's bytes
     memory = mem_total_bytes()
-    keep_rows = memory is not None and gemm_bytes <= memory // 8
+    keep_rows = memory is not None and second <= memory // 8
     for module in modules:
-        if id(module) in gemm and keep_rows:
-            module.kernel = Int8Rows(to_tasks(module.parts[0]))
+        if id(module) in w8a8 and keep_rows:
+            module.kernel = Int8Rows(to_w8a8(module.parts[0]), w8a8_gemm)
+        elif id(module) in gemm and keep_rows:
+            module.kernel = Int8Rows(to_tasks(module.parts[0]), int8_gemm)
         elif id(module) in gemm:
             module.parts = [to_tasks(module.parts[0])]
             module.kernel = int8_gemm

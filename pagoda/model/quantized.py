@@ -33,8 +33,10 @@ class QuantizedTensor:
     """A [rows, cols] weight as packed bytes: `data` is uint8 [rows, bytes per row] (int8 weights
     viewed as bytes); `scale`, int8 only, float32 [rows].
 
-    `layout` "tasks" (int8 only): the execution layer has reordered the int8 values for its bf16 GEMM,
-    [ceil(rows / 64), cols / 2, 4, 16, 2] (exec/cpu_linear.pack_gemm); `dequantize` undoes it."""
+    `layout` (int8 only), where the execution layer has reordered the int8 values for a GEMM: "tasks",
+    [ceil(rows / 64), cols / 2, 4, 16, 2] for the bf16 GEMM (exec/cpu_linear.pack_gemm); "w8a8",
+    [ceil(rows / 64), cols / 4, 4, 16, 4] bytes of value + 128 (exec/quant_linear.to_w8a8).
+    `dequantize` undoes either."""
 
     qtype: str
     rows: int
@@ -55,7 +57,9 @@ class QuantizedTensor:
         """The float32 matrix: gguf-py's dequantization, or int8 times its scales."""
         if self.qtype == "int8":
             q = self.data.view(torch.int8)
-            if self.layout == "tasks":  # [B, K/2, 4, 16, 2] -> [B * 64, K]
+            if self.layout == "w8a8":
+                q = (self.data ^ 0x80).view(torch.int8)
+            if self.layout in ("tasks", "w8a8"):  # [B, K/2, 4, 16, 2] or [B, K/4, 4, 16, 4] -> [B * 64, K]
                 q = q.permute(0, 2, 3, 1, 4).reshape(-1, self.cols)[: self.rows]
             return q.float() * self.scale[:, None]
         import gguf

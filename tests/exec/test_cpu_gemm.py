@@ -154,7 +154,9 @@ def test_int8_weights_reordered_for_the_gemm_dequantize_as_before_and_multiply_e
 def test_int8_layers_keep_their_rows_for_few_rows_while_memory_allows(monkeypatch):
     """Few rows take the integer path over the weight's rows (1.45x the GEMM's one-stream rate),
     more rows the GEMM over the task order; where the int8 weights exceed an eighth of the memory
-    only the task order is kept, for every row count."""
+    only the task order is kept, for every row count. (With the W8A8 GEMM off: where the CPU has
+    VNNI it takes the place of the task order while memory allows, test_cpu_gemm_int8.py.)"""
+    monkeypatch.setenv("PAGODA_NO_W8A8", "1")
     from pagoda.exec import quant_linear
     from pagoda.exec.quant_linear import FUSED_ROWS, Int8Rows, install_quant_kernels, int8_gemm
     from pagoda.model.quantized import QuantLinear, quantize_int8
@@ -167,14 +169,15 @@ def test_int8_layers_keep_their_rows_for_few_rows_while_memory_allows(monkeypatc
     kept = model()
     install_quant_kernels(kept, torch.device("cpu"))
     layer = kept[1]
-    assert isinstance(layer.kernel, Int8Rows) and layer.parts[0].layout == "rows"
+    assert isinstance(layer.kernel, Int8Rows) and layer.kernel.gemm is int8_gemm and layer.parts[0].layout == "rows"
     calls = []
-    monkeypatch.setattr(quant_linear, "quant_matmul", lambda x, w: calls.append(("rows", x.shape[0])) or int8_gemm(x, layer.kernel.tasks))
-    monkeypatch.setattr(quant_linear, "int8_gemm", lambda x, w: calls.append(("tasks", x.shape[0])) or torch.zeros(x.shape[0], 100, dtype=x.dtype))
+    monkeypatch.setattr(quant_linear, "quant_matmul", lambda x, w: calls.append(("rows", x.shape[0])) or int8_gemm(x, layer.kernel.copy))
+    monkeypatch.setattr(layer.kernel, "gemm", lambda x, w: calls.append(("tasks", x.shape[0])) or torch.zeros(x.shape[0], 100, dtype=x.dtype))
     for rows in (1, FUSED_ROWS, FUSED_ROWS + 1):
         layer(torch.zeros(rows, 64, dtype=torch.bfloat16))
     assert calls == [("rows", 1), ("rows", FUSED_ROWS), ("tasks", FUSED_ROWS + 1)]
     monkeypatch.undo()
+    monkeypatch.setenv("PAGODA_NO_W8A8", "1")
     monkeypatch.setattr(quant_linear, "mem_total_bytes", lambda: 8 * 100 * 64 - 1)
     short = model()
     install_quant_kernels(short, torch.device("cpu"))

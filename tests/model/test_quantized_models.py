@@ -11,7 +11,7 @@ from torch import nn
 
 from pagoda import SamplingParams
 from pagoda.config import EngineArgs
-from pagoda.exec.quant_linear import load_quant_kernels
+from pagoda.exec.quant_linear import Int8Rows, load_quant_kernels, w8a8_gemm, w8a8_kernel
 from pagoda.model.errors import ModelLoadError
 from pagoda.model.loader import load_model
 from pagoda.model.quantized import QuantEmbedding, QuantLinear, quantize_int8, quantized_bytes
@@ -65,10 +65,12 @@ def _write_k_quant_gguf(hf_model, path, qtype_name: str) -> None:
 
 
 @pytest.fixture
-def float_kernels():
-    """The float few-rows path, for the tests that hold packed weights to the dequantized model within
-    float32 rounding: the default integer path rounds activations to int8 (its bound is tested in
-    tests/exec/test_quant_dot.py; end to end below and on SmolLM2)."""
+def float_kernels(monkeypatch):
+    """The float few-rows path and no W8A8 GEMM, for the tests that hold packed weights to the
+    dequantized model within float32 rounding: the default integer paths round activations to int8
+    (their bounds are tested in tests/exec/test_quant_dot.py and test_cpu_gemm_int8.py; end to end
+    below and on SmolLM2)."""
+    monkeypatch.setenv("PAGODA_NO_W8A8", "1")
     ops = load_quant_kernels()
     ops.set_isa("auto")
     ops.set_isa({"avx512_vnni": "avx512", "avx2_int8": "avx2"}.get(ops.isa(), ops.isa()))
@@ -141,6 +143,28 @@ def test_int8_weight_only_runs_any_model_close_to_float(tmp_path, float_kernels)
     # token's logprob is close (later tokens of a random model may part at near-ties).
     want = _run(load_model(str(folder), dtype="float32"))
     assert max(abs(g[1][0] - w[1][0]) for g, w in zip(got, want)) < 0.1
+
+
+@pytest.mark.skipif(w8a8_kernel() is None, reason="the CPU has no AVX512-VNNI (the W8A8 GEMM is not used)")
+@pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_int8_prompts_through_the_w8a8_gemm_equal_the_few_rows_path(tmp_path, dtype, atol):
+    """The default int8 path: a prompt's rows (22 in the first step) through the W8A8 GEMM give what
+    the same prompts fed 8 tokens a step (every linear on the few-rows integer path) give, the
+    activations being rounded to int8 alike; the first token is the rounded float model's."""
+    folder = tmp_path / "llama3"
+    save_tiny_model("llama3", folder)
+    quant = load_model(str(folder), dtype=dtype, quantization="int8")
+    got = _run(quant)
+    linears = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
+    assert all(isinstance(m.kernel, Int8Rows) and m.kernel.gemm is w8a8_gemm for m in linears)
+    _assert_same_output(got, _run(load_model(str(folder), dtype=dtype, quantization="int8"), max_num_batched_tokens=8),
+                        atol=atol)
+    rounded = load_model(str(folder), dtype=dtype)
+    with torch.no_grad():
+        for name, m in rounded.model.named_modules():
+            if type(m) is nn.Linear and not name.endswith("lm_head"):
+                m.weight.copy_(quantize_int8(m.weight).dequantize())
+    assert all(g[0][0] == w[0][0] for g, w in zip(got, _run(rounded)))
 
 
 def test_int8_on_a_gguf_and_in_bfloat16(tmp_path, tiny_hf):
