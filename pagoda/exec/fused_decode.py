@@ -4,7 +4,8 @@ With one to a few sequences a step is bound by reading the weights plus Python's
 ~25 kernels a layer (~3 ms of SmolLM2's ~9 for one sequence). `FusedCPUDecoder` hands the layers'
 tensors to a C++ plan once; a pure-decode step (of up to `QUANT_MAX_ROWS` sequences with quantized
 weights, of any number otherwise) then runs every layer there, calling the very kernels the
-modules call (the fused layer ops, the bf16 GEMM or oneDNN's packed linears or the quantized matmul,
+modules call (the fused layer ops, the bf16 GEMM or oneDNN's packed linears or the quantized matmul
+or the W8A8 GEMM,
 the KV write and paged decode attention), in the same order: the output is the module path's, bit
 for bit. Everything else (prefill and mixed steps, other model shapes) takes the modules.
 
@@ -37,10 +38,10 @@ from torch import nn
 from pagoda.cpp_build import build_cpu_extension
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_grouped_moe import GroupedExperts, grouped_fused_experts, grouped_kernel
-from pagoda.exec.cpu_kernels import load_cpu_kernels
+from pagoda.exec.cpu_kernels import load_cpu_kernels, load_gemm_int8
 from pagoda.exec.cpu_linear import PackedLinear, gemm_kernel
 from pagoda.exec.paged_attention import TorchPagedAttention
-from pagoda.exec.quant_linear import TILE_ROWS, Int8Rows, int8_gemm, load_quant_kernels, quant_matmul
+from pagoda.exec.quant_linear import TILE_ROWS, Int8Rows, int8_gemm, load_quant_kernels, quant_matmul, w8a8_gemm
 from pagoda.model.cpu_layer_ops import FUSED_DTYPES, load_layer_ops
 from pagoda.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pagoda.model.moe import FusedMoE
@@ -166,6 +167,8 @@ class FusedCPUDecoder:
         quant = load_quant_kernels() if any(isinstance(m, QuantLinear) for m in self.model.modules()) else None
         if quant is not None:
             addresses.update(quant._addresses())
+        if any(isinstance(m, QuantLinear) and m.kernel is w8a8_gemm for m in self.model.modules()):
+            addresses.update(load_gemm_int8()._addresses())
         if any(isinstance(m, FusedMoE) for m in self.model.modules()) and grouped_kernel() is not None:
             addresses.update(grouped_kernel()._addresses())
         return addresses
@@ -182,6 +185,11 @@ class FusedCPUDecoder:
             weight = module.parts[0]
             bias = None if module.bias is None else module.bias.detach()
             return ops.int8_gemm_linear(weight.data.view(torch.int8), weight.scale, bias, weight.rows)
+        if isinstance(module, QuantLinear) and module.kernel is w8a8_gemm:
+            self._held.append((module, "parts", module.parts))
+            weight = module.parts[0]
+            bias = None if module.bias is None else module.bias.detach()
+            return ops.w8a8_linear(weight.data, weight.scale, bias, weight.rows)
         # Int8Rows: the rows serve the plan's few rows, as they serve the module's.
         if isinstance(module, QuantLinear) and (module.kernel is quant_matmul or isinstance(module.kernel, Int8Rows)):
             self._held.append((module, "parts", module.parts))

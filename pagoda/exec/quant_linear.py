@@ -7,16 +7,17 @@ Q4_1 and int8 the activations are rounded to int8 per 32-block and the dot produ
 integers (AVX512-VNNI or AVX2, as llama.cpp does; csrc/quant_dot.h states the bound), the other
 types dequantize each block in cache. For more rows the weight is dequantized (whole, or in tiles
 for a large head) to the activations' dtype and multiplied by oneDNN's GEMM, whose cost the
-dequantization barely adds to. int8 weights above the few rows, on a CPU with AVX512-VNNI and K a
-multiple of 32, take the W8A8 GEMM instead (csrc/gemm_int8.cpp, `w8a8_gemm`: the activations
-rounded to int8 per 32 values as the few-rows path rounds them, integer dot products; 1.16x the
-unquantized path's batch throughput in bf16, 1.6x in float32, docs/benchmarks.md); without VNNI,
-int8 weights of a bf16 model on a CPU with AVX512-BF16 take the bf16 GEMM (csrc/gemm_bf16.cpp:
-reordered once, widened to bf16 in cache; `int8_gemm`). The few-rows integer path reads a weight's
-rows, the GEMMs their own order: both are kept while the int8 weights take at most an eighth of the
-machine's memory (`Int8Rows`; the integer path decodes one stream ~1.45x faster than the bf16 GEMM's
-widening, docs/perf-notes.md), else the bf16 GEMM's task order alone serves every row count, or
-(float32) the rows do, dequantized for oneDNN above the few rows.
+dequantization barely adds to. int8 weights on a CPU with AVX512-VNNI (K a multiple of 32) take
+the W8A8 GEMM above the few rows instead (csrc/gemm_int8.cpp, `w8a8_gemm`: the activations rounded
+to int8 per 32 values as the few-rows path rounds them, integer dot products; 1.16x the unquantized
+path's batch throughput in bf16, 1.6x in float32, docs/benchmarks.md). Without VNNI, int8 weights
+of a bf16 model on a CPU with AVX512-BF16 take the bf16 GEMM (csrc/gemm_bf16.cpp: reordered once,
+widened to bf16 in cache; `int8_gemm`). The few-rows integer path reads a weight's rows, the GEMMs
+their own order: both are kept while the int8 weights take at most an eighth of the machine's
+memory (`Int8Rows`: one stream decodes ~1.45x faster on the rows than on the bf16 GEMM's widening,
+~1.15x faster than on the W8A8 GEMM, docs/perf-notes.md); else the GEMM's order alone serves every
+row count (W8A8, or the bf16 GEMM's tasks), or, in float32 without VNNI, the rows do, dequantized
+for oneDNN above the few rows.
 
 The path is picked at run time from the CPU (avx512_vnni, else avx2_int8, else scalar);
 PAGODA_QUANT_ISA forces another: avx512 or avx2 (the float paths, dot products in fp32 over
@@ -186,12 +187,16 @@ def install_quant_kernels(model: nn.Module, device: torch.device) -> int:
     linears = [m for m in modules if isinstance(m, QuantLinear)]
     w8a8 = {id(m) for m in linears if _w8a8_serves(m, dtype)}
     gemm = {id(m) for m in linears if _int8_gemm_serves(m, dtype)}
-    second = sum(m.parts[0].nbytes for m in linears if id(m) in w8a8 | gemm)  # a second copy's bytes
+    gemm -= w8a8
+    second = sum(m.parts[0].nbytes for m in linears if id(m) in w8a8 | gemm)  # Int8Rows' second copy
     memory = mem_total_bytes()
     keep_rows = memory is not None and second <= memory // 8
     for module in modules:
         if id(module) in w8a8 and keep_rows:
             module.kernel = Int8Rows(to_w8a8(module.parts[0]), w8a8_gemm)
+        elif id(module) in w8a8:  # one copy for every row count
+            module.parts = [to_w8a8(module.parts[0])]
+            module.kernel = w8a8_gemm
         elif id(module) in gemm and keep_rows:
             module.kernel = Int8Rows(to_tasks(module.parts[0]), int8_gemm)
         elif id(module) in gemm:

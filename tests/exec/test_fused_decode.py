@@ -85,14 +85,24 @@ def test_fused_step_equals_the_modules_with_quantized_weights(tmp_path, monkeypa
     _assert_fused_equals_modules(lambda: load_model(str(path), dtype="float32", quantization="gguf"), monkeypatch,
                                  quantized=True)
 
-    def int8():
-        return load_model(str(tmp_path / "hf"), dtype="bfloat16", quantization="int8")
+    def int8(dtype: str = "bfloat16"):
+        return lambda: load_model(str(tmp_path / "hf"), dtype=dtype, quantization="int8")
 
-    # int8 in bf16 with AVX512-BF16: rows kept beside the GEMM's order (the few-rows integer path;
-    # beyond it the modules' GEMM), or, where memory is short, the GEMM's order alone: every row count fused.
-    _assert_fused_equals_modules(int8, monkeypatch, quantized=True)
+    # int8 with AVX512-VNNI: rows kept beside the W8A8 GEMM's order, or where memory is short the
+    # W8A8 order alone, every row count fused (float32 and bf16).
+    if quant_linear.w8a8_kernel() is not None:
+        _assert_fused_equals_modules(int8("float32"), monkeypatch, quantized=True)
+        with monkeypatch.context() as short:
+            short.setattr(quant_linear, "mem_total_bytes", lambda: 1)
+            _assert_fused_equals_modules(int8("float32"), short, quantized=False)
+            _assert_fused_equals_modules(int8(), short, quantized=False)
+    # Without it (PAGODA_NO_W8A8=1 here), int8 in bf16 with AVX512-BF16: rows kept beside the bf16 GEMM's
+    # order (the few-rows integer path; beyond it the modules' GEMM), or, where memory is short, the
+    # GEMM's order alone: every row count fused.
+    monkeypatch.setenv("PAGODA_NO_W8A8", "1")
+    _assert_fused_equals_modules(int8(), monkeypatch, quantized=True)
     monkeypatch.setattr(quant_linear, "mem_total_bytes", lambda: 1)
-    _assert_fused_equals_modules(int8, monkeypatch, quantized=gemm_kernel() is None)
+    _assert_fused_equals_modules(int8(), monkeypatch, quantized=gemm_kernel() is None)
 
 
 def test_fused_step_follows_weights_replaced_under_it(tmp_path, monkeypatch):

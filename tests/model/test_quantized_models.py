@@ -147,9 +147,9 @@ def test_int8_weight_only_runs_any_model_close_to_float(tmp_path, float_kernels)
 
 @pytest.mark.skipif(w8a8_kernel() is None, reason="the CPU has no AVX512-VNNI (the W8A8 GEMM is not used)")
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("bfloat16", 0.05)])
-def test_int8_prompts_through_the_w8a8_gemm_equal_the_few_rows_path(tmp_path, dtype, atol):
+def test_int8_through_the_w8a8_gemm_equals_the_few_rows_path(tmp_path, monkeypatch, dtype, atol):
     """The default int8 path: a prompt's rows (22 in the first step) through the W8A8 GEMM give what
-    the same prompts fed 8 tokens a step (every linear on the few-rows integer path) give, the
+    the few-rows integer path (PAGODA_NO_W8A8=1, the prompts fed 8 tokens a step) gives, the
     activations being rounded to int8 alike; the first token is the rounded float model's."""
     folder = tmp_path / "llama3"
     save_tiny_model("llama3", folder)
@@ -157,6 +157,7 @@ def test_int8_prompts_through_the_w8a8_gemm_equal_the_few_rows_path(tmp_path, dt
     got = _run(quant)
     linears = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
     assert all(isinstance(m.kernel, Int8Rows) and m.kernel.gemm is w8a8_gemm for m in linears)
+    monkeypatch.setenv("PAGODA_NO_W8A8", "1")
     _assert_same_output(got, _run(load_model(str(folder), dtype=dtype, quantization="int8"), max_num_batched_tokens=8),
                         atol=atol)
     rounded = load_model(str(folder), dtype=dtype)

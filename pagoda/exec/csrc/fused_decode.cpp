@@ -65,7 +65,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // One projection: oneDNN packed (0), the bf16 GEMM over its packed weight (1: `packed` in its
 // layout, `n` output columns), or weights kept quantized, one or more row blocks side by side, then
-// the bias (2), or int8 weights in the bf16 GEMM's layout with a scale per column, then the bias (3).
+// the bias (2), or int8 weights with a scale per column, then the bias: in the bf16 GEMM's layout (3)
+// or the W8A8 GEMM's (4).
 struct Linear {
   int kind = 0;
   torch::Tensor packed, scale;
@@ -115,6 +116,7 @@ struct Kernels {
   WriteKVFn write_kv;
   GemmFn gemm_bf16 = nullptr;    // only where the CPU has AVX512-BF16
   GemmI8Fn gemm_i8_bf16 = nullptr;
+  GemmI8Fn gemm_int8 = nullptr;  // the W8A8 GEMM (gemm_int8.cpp), only where the CPU has AVX512-VNNI
   QuantFn quant_matmul = nullptr;  // only for models with quantized weights
   MoEFn moe_experts = nullptr;     // only for MoE models with the grouped kernel
 };
@@ -137,6 +139,7 @@ class DecodePlan {
     k_.write_kv = address<WriteKVFn>(at, "write_kv");
     k_.gemm_bf16 = address<GemmFn>(at, "gemm_bf16", false);
     k_.gemm_i8_bf16 = address<GemmI8Fn>(at, "gemm_i8_bf16", false);
+    k_.gemm_int8 = address<GemmI8Fn>(at, "gemm_int8", false);
     k_.quant_matmul = address<QuantFn>(at, "quant_matmul", false);
     k_.moe_experts = address<MoEFn>(at, "moe_experts_bf16", false);
   }
@@ -147,6 +150,7 @@ class DecodePlan {
     for (const Linear* l : {&qkv, &o, &gate_up, &down}) {
       TORCH_CHECK(l->kind != 1 || k_.gemm_bf16, "fused decode: a bf16 GEMM linear without its kernel");
       TORCH_CHECK(l->kind != 3 || k_.gemm_i8_bf16, "fused decode: an int8 GEMM linear without its kernel");
+      TORCH_CHECK(l->kind != 4 || k_.gemm_int8, "fused decode: a W8A8 linear without its kernel");
       TORCH_CHECK(l->kind != 2 || k_.quant_matmul, "fused decode: a quantized linear without its kernel");
       quantized_ = quantized_ || l->kind == 2;
     }
@@ -232,8 +236,9 @@ class DecodePlan {
 
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
     if (l.kind == 1) return k_.gemm_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.bias, l.n);
-    if (l.kind == 3) {
-      const torch::Tensor out = k_.gemm_i8_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.scale, Opt(), l.n);
+    if (l.kind == 3 || l.kind == 4) {
+      const GemmI8Fn f = l.kind == 3 ? k_.gemm_i8_bf16 : k_.gemm_int8;
+      const torch::Tensor out = f(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.scale, Opt(), l.n);
       return l.bias.has_value() ? out + *l.bias : out;
     }
     if (l.kind != 2) return packed_linear(x, l.packed, l.bias);
@@ -273,6 +278,12 @@ Linear gemm_i8(torch::Tensor packed, torch::Tensor scale, Opt bias, int64_t n) {
   return l;
 }
 
+Linear w8a8(torch::Tensor packed, torch::Tensor scale, Opt bias, int64_t n) {
+  Linear l = gemm_i8(packed, scale, bias, n);
+  l.kind = 4;
+  return l;
+}
+
 Linear quantized(std::vector<torch::Tensor> data, std::vector<int64_t> types, std::vector<Opt> scales, Opt bias,
                  int64_t tile_rows) {
   TORCH_CHECK(!data.empty() && data.size() == types.size() && data.size() == scales.size(), "quantized parts");
@@ -293,6 +304,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed);
   m.def("gemm_linear", &gemm);
   m.def("int8_gemm_linear", &gemm_i8);
+  m.def("w8a8_linear", &w8a8);
   m.def("quant_linear", &quantized);
   m.attr("QUANT_MAX_ROWS") = kQuantMaxRows;
   py::class_<DecodePlan>(m, "DecodePlan")

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <vector>
 
@@ -300,4 +301,6 @@ torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, const to
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_int8", &gemm_int8, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"));
   m.def("has_vnni", &built_with_vnni);
+  // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
+  m.def("_addresses", [] { return std::map<std::string, int64_t>{{"gemm_int8", reinterpret_cast<int64_t>(&gemm_int8)}}; });
 }
