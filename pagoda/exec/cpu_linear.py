@@ -68,22 +68,23 @@ def gemm_applies(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and gemm_kernel() is not None
 
 
-def pack_tasks(w: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] (N a multiple of 64) -> [E, N/64, K/2, 4, 16, 2]: each task's 4 blocks of 16 output
-    columns, one pair of k of all four per 256 contiguous bytes, so that a task streams one range
-    (the layout of csrc/bf16_tile.h; the grouped MoE kernel packs its experts so too)."""
+def pack_tasks(w: torch.Tensor, group: int = 2) -> torch.Tensor:
+    """[E, N, K] (N a multiple of 64) -> [E, N/64, K/group, 4, 16, group]: each task's 4 blocks of 16
+    output columns, one group of k of all four contiguous, so that a task streams one range (the
+    layout of csrc/bf16_tile.h, pairs of k; the grouped MoE kernel packs its experts so too; the
+    W8A8 GEMM takes groups of 4 bytes, csrc/gemm_int8.cpp)."""
     e, n, k = w.shape
-    return w.reshape(e, n // _TASK_COLS, 4, _TASK_COLS // 4, k // 2, 2).permute(0, 1, 4, 2, 3, 5).contiguous()
+    return w.reshape(e, n // _TASK_COLS, 4, _TASK_COLS // 4, k // group, group).permute(0, 1, 4, 2, 3, 5).contiguous()
 
 
-def pack_gemm(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] (bf16, or int8 for gemm_i8_bf16) -> [ceil(N/64), K/2, 4, 16, 2]: `pack_tasks` of the
-    one matrix, zero rows padding N."""
+def pack_gemm(weight: torch.Tensor, group: int = 2) -> torch.Tensor:
+    """[N, K] (bf16, or int8 for gemm_i8_bf16 and, group 4, the W8A8 GEMM) -> [ceil(N/64), K/group, 4,
+    16, group]: `pack_tasks` of the one matrix, zero rows padding N."""
     n, k = weight.shape
     weight = weight.detach()
     if n % _TASK_COLS:
         weight = torch.cat([weight, weight.new_zeros(_TASK_COLS - n % _TASK_COLS, k)])
-    return pack_tasks(weight.unsqueeze(0))[0]
+    return pack_tasks(weight.unsqueeze(0), group)[0]
 
 
 def _onednn_usable(weight: torch.Tensor, device: torch.device) -> bool:

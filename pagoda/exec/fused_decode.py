@@ -180,15 +180,12 @@ class FusedCPUDecoder:
             if module.gemm:
                 return ops.gemm_linear(module.packed, module.bias, module.out_features)
             return ops.packed_linear(module.packed, module.bias)
-        if isinstance(module, QuantLinear) and module.kernel is int8_gemm:
+        if isinstance(module, QuantLinear) and module.kernel in (int8_gemm, w8a8_gemm):
             self._held.append((module, "parts", module.parts))
             weight = module.parts[0]
             bias = None if module.bias is None else module.bias.detach()
-            return ops.int8_gemm_linear(weight.data.view(torch.int8), weight.scale, bias, weight.rows)
-        if isinstance(module, QuantLinear) and module.kernel is w8a8_gemm:
-            self._held.append((module, "parts", module.parts))
-            weight = module.parts[0]
-            bias = None if module.bias is None else module.bias.detach()
+            if module.kernel is int8_gemm:
+                return ops.int8_gemm_linear(weight.data.view(torch.int8), weight.scale, bias, weight.rows)
             return ops.w8a8_linear(weight.data, weight.scale, bias, weight.rows)
         # Int8Rows: the rows serve the plan's few rows, as they serve the module's.
         if isinstance(module, QuantLinear) and (module.kernel is quant_matmul or isinstance(module.kernel, Int8Rows)):

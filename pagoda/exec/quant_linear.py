@@ -129,10 +129,7 @@ def w8a8_gemm(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
 def to_w8a8(weight: QuantizedTensor) -> QuantizedTensor:
     """A copy of an int8 row-layout weight in the W8A8 GEMM's order: per 64 output columns
     [K/4][4][16][4] bytes, each int8 value + 128 (zero rows padding N)."""
-    q = weight.data.view(torch.int8)
-    if weight.rows % 64:
-        q = torch.cat([q, q.new_zeros(64 - weight.rows % 64, weight.cols)])
-    packed = q.reshape(-1, 4, 16, weight.cols // 4, 4).permute(0, 3, 1, 2, 4).contiguous().view(torch.uint8) ^ 0x80
+    packed = pack_gemm(weight.data.view(torch.int8), group=4).view(torch.uint8) ^ 0x80
     return QuantizedTensor("int8", weight.rows, weight.cols, packed, weight.scale, layout="w8a8")
 
 

@@ -1,9 +1,12 @@
 // The bf16 micro-kernel shared by the grouped MoE experts (moe_experts.cpp) and the dense bf16 GEMM
 // (gemm_bf16.cpp): M activation rows against one task's 64 output columns of weights packed as
 // [K/2][4][16][2] bf16 (`pack_tasks` in exec/cpu_linear.py), one vdpbf16ps per 16 columns and
-// pair of k, accumulated in float32. Header-only: each extension compiles it for its own CPU flags.
+// pair of k, accumulated in float32. Also what the GEMMs over this task layout share (gemm_bf16.cpp,
+// gemm_int8.cpp): the plan of tasks, the row store, the per-column arguments. Header-only: each
+// extension compiles it for its own CPU flags.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -11,6 +14,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 namespace pagoda_bf16 {
 
@@ -141,6 +146,16 @@ inline Plan plan(int64_t m, int64_t blocks, int threads, int64_t pass = kMR) {
   chunk = std::min(kChunkRows, (chunk + pass - 1) / pass * pass);
   const int64_t chunks = (m + chunk - 1) / chunk;
   return {chunk, chunks, chunks * blocks};
+}
+
+// A GEMM's per-column values (scale, bias) as n float32s, empty when not given; `who` and `what`
+// name the kernel and the argument in the error.
+inline std::vector<float> column_floats(const std::optional<at::Tensor>& t, int64_t n, const char* who,
+                                        const char* what) {
+  if (!t.has_value()) return {};
+  TORCH_CHECK(t->dim() == 1 && t->size(0) >= n, who, ": ", what, " has fewer than n values");
+  const at::Tensor f = t->to(at::kFloat).contiguous();
+  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + n);
 }
 
 // One row's sums of a task to bf16: times scale, plus bias (either may be null), `cols` of them.

@@ -70,13 +70,6 @@ void widen(const int8_t* w, int64_t k, uint16_t* out) {
   for (; i < n; ++i) out[i] = bf16(static_cast<float>(w[i])).x;
 }
 
-std::vector<float> floats(const Opt& t, int64_t n, const char* what) {
-  if (!t.has_value()) return {};
-  TORCH_CHECK(t->dim() == 1 && t->size(0) >= n, "gemm_bf16: ", what, " has fewer than n values");
-  const torch::Tensor f = t->to(torch::kFloat).contiguous();
-  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + n);
-}
-
 void check(const torch::Tensor& x, const torch::Tensor& w, int64_t n, at::ScalarType wtype) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16, rows contiguous");
   TORCH_CHECK(w.dim() == 5 && w.scalar_type() == wtype && w.is_contiguous() && w.size(2) == kNB && w.size(3) == kBlock &&
@@ -93,7 +86,7 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Op
   const int64_t m = x.size(0), k = x.size(1), blocks = w.size(0);
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const std::vector<float> b = floats(bias, n, "bias");
+  const std::vector<float> b = column_floats(bias, n, "gemm_bf16", "bias");
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -115,7 +108,8 @@ torch::Tensor gemm_i8_bf16(const torch::Tensor& x, const torch::Tensor& w, const
   const int64_t m = x.size(0), k = x.size(1), blocks = w.size(0);
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const std::vector<float> s = floats(scale, n, "scale"), b = floats(bias, n, "bias");
+  const std::vector<float> s = column_floats(scale, n, "gemm_bf16", "scale");
+  const std::vector<float> b = column_floats(bias, n, "gemm_bf16", "bias");
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());

@@ -251,13 +251,6 @@ void run_task(const Act& a, const uint8_t* w, int64_t k, int64_t r0, int64_t r1,
   }
 }
 
-std::vector<float> floats(const Opt& t, int64_t n, const char* what) {
-  if (!t.has_value()) return {};
-  TORCH_CHECK(t->dim() == 1 && t->size(0) >= n, "gemm_int8: ", what, " has fewer than n values");
-  const torch::Tensor f = t->to(torch::kFloat).contiguous();
-  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + n);
-}
-
 template <typename T>
 void run(const torch::Tensor& x, const uint8_t* wp, int64_t blocks, const std::vector<float>& s,
          const std::vector<float>& b, int64_t n, torch::Tensor& y) {
@@ -291,7 +284,8 @@ torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, const to
   TORCH_CHECK(n > 0 && n <= w.size(0) * kCols && n > (w.size(0) - 1) * kCols, "gemm_int8: n does not match w");
   auto y = torch::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
-  const std::vector<float> s = floats(scale, n, "scale"), b = floats(bias, n, "bias");
+  const std::vector<float> s = column_floats(scale, n, "gemm_int8", "scale");
+  const std::vector<float> b = column_floats(bias, n, "gemm_int8", "bias");
   TORCH_CHECK(!s.empty(), "gemm_int8: a scale is required");
   if (x.scalar_type() == at::kFloat) run<float>(x, w.data_ptr<uint8_t>(), w.size(0), s, b, n, y);
   else run<at::BFloat16>(x, w.data_ptr<uint8_t>(), w.size(0), s, b, n, y);
