@@ -161,6 +161,11 @@ vllm_preload() {  # TCMalloc and Intel OpenMP, as vLLM's CPU guide preloads them
 cpu_line() {  # the machine, for every table
     local model flags
     model=$(grep -m 1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')
+    # A VM's model name can be as bare as "AMD EPYC": the family and model tell the generation.
+    local family number
+    family=$(grep -m 1 '^cpu family' /proc/cpuinfo | cut -d: -f2 | tr -d ' ')
+    number=$(grep -m 1 '^model[[:space:]]*:' /proc/cpuinfo | cut -d: -f2 | tr -d ' ')
+    [ -n "$family" ] && model="$model (family $family, model $number)"
     flags=$(grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx512_bf16\|amx_bf16\|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ')
     echo "CPU: $model, $(nproc) cores; flags: ${flags% }; Pagoda and vLLM dtype: $DTYPE"
 }

@@ -57,13 +57,20 @@ def peak_rss_mib() -> float:
 
 
 def _cpu_model() -> str | None:
+    """The CPU's model name, with its x86 family and model numbers: a virtual machine's name can
+    be as bare as "AMD EPYC", which two CPU generations of very different speed share."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, sep, value = line.partition(":")
+            if sep and key.strip() in ("model name", "cpu family", "model") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or None
+    name = fields.get("model name") or platform.processor() or None
+    if name and "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def environment() -> dict[str, Any]:

@@ -208,3 +208,31 @@ def test_bf16_decode_is_the_float32_attention_rounded_once(head_dim, group, bloc
     # Three sequences on two threads are split into per-KV-head items, nine are not: the same bits.
     few = _on_two_threads(kernel, q[:3], kc, vc, tables[:3], lens[:3], scale)
     assert torch.equal(few, got[:3])
+
+
+# Work goes to the threads by context length (csrc/balanced_for.h): one long context among many short
+# ones, first or last, on two and three threads, must still give every sequence its own attention,
+# and the same bits as on one thread (which thread computes an item does not change its arithmetic).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("long_first", [True, False])
+def test_decode_split_by_context_length_covers_every_sequence(dtype, long_first):
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, bs, num_blocks = 6, 2, 64, 16, 128
+    kc, vc = (torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    lens = torch.tensor([700] + [1, 3, 2, 5, 1, 4, 2, 1, 6, 3, 1, 2, 1, 9, 1])
+    if not long_first:
+        lens = lens.flip(0)
+    tables = torch.randperm(num_blocks, generator=g)[:44].repeat(len(lens), 1)  # 44 blocks hold 700 tokens
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    kernel, threads = _kernels().paged_decode, torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(kernel(q, kc, vc, tables, lens, d**-0.5))
+    finally:
+        torch.set_num_threads(threads)
+    want = _dense_decode(q, kc, vc, tables, lens, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(outs[0].float(), want, rtol=tol, atol=1e-5)
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])

@@ -138,14 +138,25 @@ struct Plan {
 };
 
 // Enough tasks for the threads (4 per thread where the rows allow), chunks a multiple of a pass of
-// `pass` rows (the micro-kernel's).
+// `pass` rows (the micro-kernel's). A count of tasks the threads do not divide leaves all but one
+// idle through the last round (SmolLM2's 9 and 15 column blocks at 64 rows: a tenth and a
+// fifteenth of the GEMM), so they are split once more until the count divides, while a chunk keeps
+// two passes (fewer rows are bound by reading the weights, which a split reads twice).
 inline Plan plan(int64_t m, int64_t blocks, int threads, int64_t pass = kMR) {
-  int64_t want = (4 * threads + blocks - 1) / blocks;
-  want = std::max<int64_t>(1, std::min(want, (m + pass - 1) / pass));
-  int64_t chunk = (m + want - 1) / want;
-  chunk = std::min(kChunkRows, (chunk + pass - 1) / pass * pass);
-  const int64_t chunks = (m + chunk - 1) / chunk;
-  return {chunk, chunks, chunks * blocks};
+  const int64_t passes = (m + pass - 1) / pass;
+  auto with = [&](int64_t want) {
+    int64_t chunk = (m + want - 1) / want;
+    chunk = std::min(kChunkRows, (chunk + pass - 1) / pass * pass);
+    const int64_t chunks = (m + chunk - 1) / chunk;
+    return Plan{chunk, chunks, chunks * blocks};
+  };
+  Plan p = with(std::max<int64_t>(1, std::min<int64_t>((4 * threads + blocks - 1) / blocks, passes)));
+  while (p.tasks % threads != 0 && p.tasks < 32 * threads) {
+    const Plan finer = with(p.chunks + 1);
+    if (finer.chunk < 2 * pass || finer.chunks == p.chunks) break;
+    p = finer;
+  }
+  return p;
 }
 
 // A GEMM's per-column values (scale, bias) as n float32s, empty when not given; `who` and `what`

@@ -25,6 +25,7 @@
 #include <limits>
 #include <vector>
 
+#include "balanced_for.h"
 #include "bf16_tile.h"
 #include "block_prefetch.h"
 #include "vec_math.h"
@@ -171,7 +172,8 @@ inline void decode(const uint16_t* q, int64_t qs0, int64_t qs1, const uint16_t* 
                    const int64_t* lens, c10::BFloat16* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
                    int64_t max_blocks, float scale, int64_t heads_kv) {
   const int64_t G = Hq / Hkv, items_per_seq = Hkv / heads_kv, nh = heads_kv * G;
-  at::parallel_for(0, B * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  const auto tokens = [&](int64_t idx) { return pagoda_split::decode_item_cost(lens, idx, items_per_seq); };
+  pagoda_split::balanced_for(B * items_per_seq, tokens, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(nh * D), inv(nh), scores;
     std::vector<const uint16_t*> qh(nh);
     for (int64_t idx = begin; idx < end; ++idx) {

@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "balanced_for.h"
 #include "block_prefetch.h"
 #include "decode_bf16.h"
 #include "kv_int8.h"
@@ -189,7 +190,8 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
     }
   }
 #endif
-  at::parallel_for(0, B * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  const auto tokens = [&](int64_t idx) { return pagoda_split::decode_item_cost(lens, idx, items_per_seq); };
+  pagoda_split::balanced_for(B * items_per_seq, tokens, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(nh * D), acc(nh * D), inv(nh), scores, buf(BS * row);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / items_per_seq, hk0 = (idx % items_per_seq) * heads_kv, h0 = hk0 * G;
