@@ -5,9 +5,11 @@ With one to a few sequences a step is bound by reading the weights plus Python's
 tensors to a C++ plan once; a pure-decode step (of up to `QUANT_MAX_ROWS` sequences with quantized
 weights, of any number otherwise) then runs every layer there, calling the very kernels the
 modules call (the fused layer ops, the bf16 GEMM or oneDNN's packed linears or the quantized matmul
-or the W8A8 GEMM,
-the KV write and paged decode attention), in the same order: the output is the module path's, bit
-for bit. Everything else (prefill and mixed steps, other model shapes) takes the modules.
+or the W8A8 GEMM, the KV write and paged decode attention), in the same order: the output is the
+module path's, bit for bit. So does the step of one prompt with no cached prefix (a short request's
+first token: ~5 of SmolLM2's ~19 ms were the modules' Python), its attention by the prefill kernel
+as TorchPagedAttention calls it. Everything else (mixed steps, a prompt's later chunks or one after
+a cached prefix, other model shapes) takes the modules.
 
 What it serves: Llama-family layers (Llama, Mistral, Qwen2 with its QKV bias, Qwen3 with its
 per-head q/k norms) with a dense MLP, without tensor or pipeline parallelism, in float32 or bfloat16
@@ -38,7 +40,7 @@ from torch import nn
 from pagoda.cpp_build import build_cpu_extension
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_grouped_moe import GroupedExperts, grouped_fused_experts, grouped_kernel
-from pagoda.exec.cpu_kernels import load_cpu_kernels, load_gemm_int8
+from pagoda.exec.cpu_kernels import load_cpu_kernels, load_gemm_int8, load_prefill_attention
 from pagoda.exec.cpu_linear import PackedLinear, gemm_kernel
 from pagoda.exec.paged_attention import TorchPagedAttention
 from pagoda.exec.quant_linear import TILE_ROWS, Int8Rows, int8_gemm, load_quant_kernels, quant_matmul, w8a8_gemm
@@ -71,6 +73,9 @@ class FusedCPUDecoder:
         self._held: list[tuple[Any, str, Any]] = []  # (owner, attribute, the tensor the plan holds)
         self.plan = self._build()
         self.quantized = self.plan.quantized()
+        # Where the modules take the prefill kernel for a prompt (TorchPagedAttention._prefill).
+        head_dim = model.model.layers[0].self_attn.head_dim
+        self.prompts = backend.prefill_kernel is not None and head_dim % 16 == 0
 
     @classmethod
     def create(cls, model: nn.Module, backend: Any, device: torch.device) -> FusedCPUDecoder | None:
@@ -91,9 +96,17 @@ class FusedCPUDecoder:
             return None
 
     def can_run(self, meta: PagedAttentionMetadata, num_tokens: int) -> bool:
-        if meta.num_decodes != num_tokens or meta.num_actual_tokens is not None:
+        if meta.num_actual_tokens is not None:
+            return False
+        if meta.num_decodes != num_tokens and not self._one_prompt(meta, num_tokens):
             return False
         return num_tokens <= QUANT_MAX_ROWS or not self.quantized
+
+    def _one_prompt(self, meta: PagedAttentionMetadata, num_tokens: int) -> bool:
+        """The step is one prompt with no earlier context (no cached prefix, its first chunk): its
+        attention is the prefill kernel's over its own K/V, which the plan calls as the modules do."""
+        return (self.prompts and meta.num_decodes == 0 and meta.num_reqs == 1
+                and int(meta.seq_lens_cpu[0]) == num_tokens)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
         if self.plan is None or any(getattr(owner, attr) is not held for owner, attr, held in self._held):
@@ -102,7 +115,7 @@ class FusedCPUDecoder:
         nd = meta.num_decodes
         table = inner.rotary.table(max(meta.seq_lens_cpu))  # a decode's position is its length - 1
         h, residual = self.plan.run(inner.embed_tokens(input_ids), positions, table, meta.slot_mapping,
-                                    meta.block_tables[:nd], meta.seq_lens[:nd])
+                                    meta.block_tables[:nd], meta.seq_lens[:nd], nd == 0)
         return inner.norm.add_forward(h, residual)[0]
 
     def release(self) -> None:
@@ -162,6 +175,8 @@ class FusedCPUDecoder:
 
     def _addresses(self) -> dict[str, int]:
         addresses = {**load_layer_ops()._addresses(), **load_cpu_kernels()._addresses()}
+        if self.backend.prefill_kernel is not None:
+            addresses.update(load_prefill_attention()._addresses())
         if gemm_kernel() is not None:
             addresses.update(gemm_kernel()._addresses())
         quant = load_quant_kernels() if any(isinstance(m, QuantLinear) for m in self.model.modules()) else None

@@ -1,6 +1,6 @@
 """The fused CPU decode step (exec/fused_decode.py) gives the module path's output bit for bit, for
-every kind of linear it serves, is used for exactly the pure-decode steps (of up to QUANT_MAX_ROWS
-rows with quantized weights),
+every kind of linear it serves, is used for exactly the pure-decode steps and the steps of one prompt
+with no cached prefix (of up to QUANT_MAX_ROWS rows with quantized weights),
 follows weights replaced under it (a weight update, sleep and wake), serves MoE layers whose experts
 run on the grouped bf16 kernel, and stands aside for the models it does not serve."""
 
@@ -27,6 +27,9 @@ pytestmark = pytest.mark.skipif(fused_decode.load_fused_decode() is None, reason
 # padded for oneDNN; with quantized weights the steps above QUANT_MAX_ROWS take the modules), and
 # mixed steps as they come in (the modules).
 PROMPTS = [[5 + i, 17, 99, 3 + i][: 1 + i % 4] for i in range(19)]
+# A prompt alone, with no cached prefix: its step is fused too (its prompt logprobs read every row),
+# but with quantized weights, beyond QUANT_MAX_ROWS.
+LONE_PROMPT = [(7 * i) % 50 + 1 for i in range(37)]
 
 
 def _params(i: int) -> SamplingParams:
@@ -38,28 +41,34 @@ def _outputs(loaded, monkeypatch, fused: bool, **engine_args):
     llm = make_engine(loaded, num_gpu_blocks_override=128, **engine_args)
     runner = llm.engine.core.runner
     assert (runner.fused_decode is not None) == fused
-    rows: list[int] = []
+    rows: list[tuple[int, bool]] = []  # (rows, whether a prompt's step) of each fused step
     if fused:
         run = runner.fused_decode.run
 
         def counting(input_ids, positions, meta):
-            rows.append(input_ids.shape[0])
+            rows.append((input_ids.shape[0], meta.num_decodes == 0))
             return run(input_ids, positions, meta)
 
         runner.fused_decode.run = counting
     first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:1]], _params(3), use_tqdm=False)
     many = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [_params(i) for i in range(len(PROMPTS))],
                         use_tqdm=False)
-    out = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs]) for o in first + many]
+    lone = llm.generate([{"prompt_token_ids": LONE_PROMPT}],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+                        use_tqdm=False)
+    out = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs]) for o in first + many + lone]
+    out.append([sorted(lp.items()) for lp in lone[0].prompt_logprobs[1:]])
     return out, rows, llm
 
 
 def _assert_fused_equals_modules(loaded_fn, monkeypatch, quantized: bool = False, **engine_args):
     want, _, _ = _outputs(loaded_fn(), monkeypatch, fused=False, **engine_args)
     got, rows, _ = _outputs(loaded_fn(), monkeypatch, fused=True, **engine_args)
-    assert got == want  # tokens and logprobs, bit for bit
-    # Every decode step took the fused one, but those beyond QUANT_MAX_ROWS with quantized weights.
-    assert set(rows) == set(range(1, (QUANT_MAX_ROWS if quantized else len(PROMPTS)) + 1))
+    assert got == want  # tokens, logprobs and prompt logprobs, bit for bit
+    # Every decode step took the fused one, but those beyond QUANT_MAX_ROWS with quantized weights;
+    # so did the prompt that had a step to itself (a one-token prompt's step counts as a decode).
+    assert {n for n, prompt in rows if not prompt} == set(range(1, (QUANT_MAX_ROWS if quantized else len(PROMPTS)) + 1))
+    assert {n for n, prompt in rows if prompt} == (set() if quantized else {len(LONE_PROMPT)})
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen2", "bfloat16"),
@@ -122,13 +131,13 @@ def test_fused_step_follows_weights_replaced_under_it(tmp_path, monkeypatch):
         return [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
                 for o in llm.generate(batch, params, use_tqdm=False)]
 
-    assert outputs() == want_b[1:]
+    assert outputs() == want_b[1 : 1 + len(PROMPTS)]
     packed = weakref.ref(llm.engine.core.runner.model.model.layers[0].mlp.down_proj.packed)
     llm.sleep(level=2)
     gc.collect()
     assert packed() is None  # parking freed the packed weight: the plan let go of it
     llm.wake_up()
-    assert outputs() == want_b[1:]
+    assert outputs() == want_b[1 : 1 + len(PROMPTS)]
 
 
 @pytest.mark.parametrize("arch,dtype", [("mixtral", "float32"), ("qwen3_moe", "float32"), ("qwen2_moe", "bfloat16")])

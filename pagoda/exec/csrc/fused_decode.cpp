@@ -1,7 +1,8 @@
 // A decode step's decoder layers in one call: the Llama family's layer (RMSNorm with the residual
 // add, QKV projection, rotary, KV write, paged decode attention, output projection, RMSNorm, gate-up
 // projection, SiLU-and-multiply, down projection) for a pure-decode step, each row one sequence's
-// next token (at most kQuantMaxRows rows with quantized weights).
+// next token (at most kQuantMaxRows rows with quantized weights), or for the step of one short
+// prompt with no cached prefix (its attention by the prefill kernel, as the modules call it).
 //
 // Why: with one to a few sequences a step's kernels take ~5 ms of SmolLM2's ~9, and the Python that
 // calls them (module calls, views, checks: ~25 calls a layer, 30 layers) most of the rest. Here the
@@ -9,8 +10,9 @@
 // Python path's bit for bit.
 //
 // The kernels live in the other extensions (model/csrc/layer_ops.cpp, exec/csrc/paged_decode.cpp,
-// gemm_bf16.cpp, quant_matmul.cpp); each exports its entry points' addresses (`_addresses`), which
-// the plan is built with. oneDNN's packed linears are called through torch's dispatcher.
+// prefill_attention.cpp, gemm_bf16.cpp, quant_matmul.cpp); each exports its entry points' addresses
+// (`_addresses`), which the plan is built with. oneDNN's packed linears are called through torch's
+// dispatcher.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -27,6 +29,7 @@ using RotaryFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor);
 using SiluMulFn = torch::Tensor (*)(torch::Tensor);
 using DecodeFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double);
 using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
+using PrefillFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, double);
 using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using GemmI8Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
@@ -119,6 +122,7 @@ struct Kernels {
   GemmI8Fn gemm_int8 = nullptr;  // the W8A8 GEMM (gemm_int8.cpp), only where the CPU has AVX512-VNNI
   QuantFn quant_matmul = nullptr;  // only for models with quantized weights
   MoEFn moe_experts = nullptr;     // only for MoE models with the grouped kernel
+  PrefillFn prefill_attention = nullptr;  // for a prompt's step (prefill_attention.cpp), where it builds
 };
 
 template <typename F>
@@ -142,6 +146,7 @@ class DecodePlan {
     k_.gemm_int8 = address<GemmI8Fn>(at, "gemm_int8", false);
     k_.quant_matmul = address<QuantFn>(at, "quant_matmul", false);
     k_.moe_experts = address<MoEFn>(at, "moe_experts_bf16", false);
+    k_.prefill_attention = address<PrefillFn>(at, "prefill_attention", false);
   }
 
   void add_layer(torch::Tensor in_norm, double in_eps, torch::Tensor post_norm, double post_eps, Linear qkv,
@@ -185,12 +190,14 @@ class DecodePlan {
     e.top_k = top_k, e.renormalize = renormalize, e.expert_start = expert_start;
   }
 
-  // h: the embeddings [M, H]. Returns (the last layer's output, the residual stream), which the
-  // model's final norm adds and normalises, as LlamaModel.forward does after its layers.
+  // h: the embeddings [M, H]; each row a sequence's next token, or (`prompt`) the rows one prompt's
+  // tokens with no earlier context. Returns (the last layer's output, the residual stream), which
+  // the model's final norm adds and normalises, as LlamaModel.forward does after its layers.
   std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, torch::Tensor positions, torch::Tensor rope_table,
                                                torch::Tensor slots, torch::Tensor block_tables,
-                                               torch::Tensor seq_lens) {
+                                               torch::Tensor seq_lens, bool prompt) {
     const int64_t m = h.size(0);
+    TORCH_CHECK(!prompt || k_.prefill_attention, "fused decode: a prompt's step without the prefill kernel");
     TORCH_CHECK(m >= 1 && (m <= kQuantMaxRows || !quantized_), "fused decode: quantized weights take 1 to ",
                 kQuantMaxRows, " rows");
     torch::Tensor residual;
@@ -213,7 +220,10 @@ class DecodePlan {
       k_.rotary_(q, positions, rope_table);
       k_.rotary_(k, positions, rope_table);
       k_.write_kv(l.k_cache, l.v_cache, k, v, slots);
-      torch::Tensor attn = k_.paged_decode(q, l.k_cache, l.v_cache, block_tables, seq_lens, l.scale);
+      // A prompt's step: its rows attend to each other causally, over their own fresh K/V, as
+      // TorchPagedAttention._prefill computes it for a prompt with no earlier context.
+      torch::Tensor attn = prompt ? k_.prefill_attention(q, k, v, l.scale)
+                                  : k_.paged_decode(q, l.k_cache, l.v_cache, block_tables, seq_lens, l.scale);
       h = linear(attn.reshape({m, q_size}), l.o);
       k_.add_rms_norm_(h, residual, l.post_norm, l.post_eps);
       h = l.experts.present ? routed(h, l.experts) : linear(k_.silu_and_mul(linear(h, l.gate_up)), l.down);

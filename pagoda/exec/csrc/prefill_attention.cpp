@@ -16,6 +16,9 @@
 // in torch's softmax, and a key past a query's position contributes nothing to it, even a NaN or inf
 // one (torch's SDPA lets such a value leak into every row: 0 * NaN).
 #include <torch/extension.h>
+
+#include <map>
+#include <string>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -314,4 +317,10 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("prefill_attention", &prefill_attention); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("prefill_attention", &prefill_attention);
+  // For the fused CPU step (exec/csrc/fused_decode.cpp), which calls it from C++ for a short prompt.
+  m.def("_addresses", [] {
+    return std::map<std::string, int64_t>{{"prefill_attention", reinterpret_cast<int64_t>(&prefill_attention)}};
+  });
+}
