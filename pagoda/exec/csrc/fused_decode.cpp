@@ -1,8 +1,8 @@
 // A decode step's decoder layers in one call: the Llama family's layer (RMSNorm with the residual
 // add, QKV projection, rotary, KV write, paged decode attention, output projection, RMSNorm, gate-up
 // projection, SiLU-and-multiply, down projection) for a pure-decode step, each row one sequence's
-// next token (at most kQuantMaxRows rows with quantized weights), or for the step of one short
-// prompt with no cached prefix (its attention by the prefill kernel, as the modules call it).
+// next token, or for the step of one prompt with no cached prefix (its attention by the prefill
+// kernel, as the modules call it); at most kQuantMaxRows rows with quantized weights.
 //
 // Why: with one to a few sequences a step's kernels take ~5 ms of SmolLM2's ~9, and the Python that
 // calls them (module calls, views, checks: ~25 calls a layer, 30 layers) most of the rest. Here the

@@ -319,7 +319,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention);
-  // For the fused CPU step (exec/csrc/fused_decode.cpp), which calls it from C++ for a short prompt.
+  // For the fused CPU step (exec/csrc/fused_decode.cpp), which calls it from C++ for a lone prompt's step.
   m.def("_addresses", [] {
     return std::map<std::string, int64_t>{{"prefill_attention", reinterpret_cast<int64_t>(&prefill_attention)}};
   });
