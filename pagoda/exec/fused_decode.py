@@ -73,9 +73,8 @@ class FusedCPUDecoder:
         self._held: list[tuple[Any, str, Any]] = []  # (owner, attribute, the tensor the plan holds)
         self.plan = self._build()
         self.quantized = self.plan.quantized()
-        # Where the modules take the prefill kernel for a prompt (TorchPagedAttention._prefill).
-        head_dim = model.model.layers[0].self_attn.head_dim
-        self.prompts = backend.prefill_kernel is not None and head_dim % 16 == 0
+        # A prompt's step is served where the modules give its attention to the prefill kernel.
+        self.prompts = backend.prefill_kernel_takes(model.model.layers[0].self_attn.head_dim)
 
     @classmethod
     def create(cls, model: nn.Module, backend: Any, device: torch.device) -> FusedCPUDecoder | None:

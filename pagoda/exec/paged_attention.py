@@ -198,6 +198,10 @@ class TorchPagedAttention:
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)
 
+    def prefill_kernel_takes(self, head_dim: int) -> bool:
+        """Whether a prompt's attention goes to the C++ prefill kernel (else causal SDPA)."""
+        return self.prefill_kernel is not None and head_dim % 16 == 0
+
     def _prefill(self, q, k_new, v_new, k_cache, v_cache, meta, i: int, seq_len: int, scale: float) -> torch.Tensor:
         n = q.shape[0]
         if seq_len == n:  # no earlier context: the chunk's own fresh K/V, nothing read from the cache
@@ -207,7 +211,7 @@ class TorchPagedAttention:
             table = meta.block_tables[i : i + 1, :nb]
             keys = gather_kv(k_cache, table, seq_len, q.dtype, meta.block_size, q.shape[-1])[0]  # [seq_len, Hkv, D]
             values = gather_kv(v_cache, table, seq_len, q.dtype, meta.block_size, q.shape[-1])[0]
-        if self.prefill_kernel is not None and q.shape[-1] % 16 == 0:
+        if self.prefill_kernel_takes(q.shape[-1]):
             # ~2x SDPA's speed on 2 AVX2 cores in fp32 (csrc/prefill_attention.cpp); bf16 goes in as
             # it is (vdpbf16ps scores on AVX512-BF16, widened to float32 elsewhere), fp16 widened
             # here. bf16 SDPA rounds the attention weights to bf16 and blocks by sequence length, so

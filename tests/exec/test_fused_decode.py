@@ -27,9 +27,9 @@ pytestmark = pytest.mark.skipif(fused_decode.load_fused_decode() is None, reason
 # padded for oneDNN; with quantized weights the steps above QUANT_MAX_ROWS take the modules), and
 # mixed steps as they come in (the modules).
 PROMPTS = [[5 + i, 17, 99, 3 + i][: 1 + i % 4] for i in range(19)]
-# A prompt alone, with no cached prefix: its step is fused too (its prompt logprobs read every row),
-# but with quantized weights, beyond QUANT_MAX_ROWS.
-LONE_PROMPT = [(7 * i) % 50 + 1 for i in range(37)]
+# Prompts alone, with no cached prefix: their steps are fused too (their prompt logprobs read every
+# row), but with quantized weights the one beyond QUANT_MAX_ROWS.
+LONE_PROMPTS = [[(7 * i) % 50 + 1 for i in range(37)], [11, 3, 42, 8, 29]]
 
 
 def _params(i: int) -> SamplingParams:
@@ -53,11 +53,10 @@ def _outputs(loaded, monkeypatch, fused: bool, **engine_args):
     first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:1]], _params(3), use_tqdm=False)
     many = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [_params(i) for i in range(len(PROMPTS))],
                         use_tqdm=False)
-    lone = llm.generate([{"prompt_token_ids": LONE_PROMPT}],
-                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2),
-                        use_tqdm=False)
+    lone_params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    lone = [o for p in LONE_PROMPTS for o in llm.generate([{"prompt_token_ids": p}], lone_params, use_tqdm=False)]
     out = [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs]) for o in first + many + lone]
-    out.append([sorted(lp.items()) for lp in lone[0].prompt_logprobs[1:]])
+    out += [[sorted(lp.items()) for lp in o.prompt_logprobs[1:]] for o in lone]
     return out, rows, llm
 
 
@@ -66,9 +65,10 @@ def _assert_fused_equals_modules(loaded_fn, monkeypatch, quantized: bool = False
     got, rows, _ = _outputs(loaded_fn(), monkeypatch, fused=True, **engine_args)
     assert got == want  # tokens, logprobs and prompt logprobs, bit for bit
     # Every decode step took the fused one, but those beyond QUANT_MAX_ROWS with quantized weights;
-    # so did the prompt that had a step to itself (a one-token prompt's step counts as a decode).
+    # so did the prompts that had a step to themselves (a one-token prompt's step counts as a decode).
     assert {n for n, prompt in rows if not prompt} == set(range(1, (QUANT_MAX_ROWS if quantized else len(PROMPTS)) + 1))
-    assert {n for n, prompt in rows if prompt} == (set() if quantized else {len(LONE_PROMPT)})
+    lone = {len(p) for p in LONE_PROMPTS}
+    assert {n for n, prompt in rows if prompt} == ({n for n in lone if n <= QUANT_MAX_ROWS} if quantized else lone)
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen2", "bfloat16"),
