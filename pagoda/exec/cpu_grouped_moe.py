@@ -30,9 +30,17 @@ def grouped_applies(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     return w13.dtype == torch.bfloat16 and inter % 32 == 0 and hidden % 64 == 0 and grouped_kernel() is not None
 
 
+def pack_halves(w: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] -> [E, N/64, 2, K/2, 2, 16, 2]: `pack_tasks` with each task's four blocks in two
+    halves of two, each half one contiguous range (csrc/bf16_tile.h tile_rows_halves)."""
+    e, n, k = w.shape
+    tasks = pack_tasks(w).reshape(e, n // 64, k // 2, 2, 2, _BLOCK, 2)
+    return tasks.permute(0, 1, 3, 2, 4, 5, 6).contiguous()
+
+
 class GroupedExperts:
-    """This rank's experts packed for the grouped kernel (`pack_tasks`), w13's rows reordered first so
-    that a task's four blocks are gate blocks 2g, 2g + 1 and up blocks 2g, 2g + 1: its 32 columns of
+    """This rank's experts packed for the grouped kernel (`pack_halves`), w13's rows reordered first so
+    that a task's two halves are gate blocks 2g, 2g + 1 and up blocks 2g, 2g + 1: its 32 columns of
     silu(gate) * up."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -40,8 +48,8 @@ class GroupedExperts:
         e, _, h = w13.shape
         # [E, 2 (gate, up), I/32, 32, H] -> [E, I/32, 2, 32, H]: gate 32 rows, then the same 32 of up
         halves = w13.reshape(e, 2, self.inter // (2 * _BLOCK), 2 * _BLOCK, h).transpose(1, 2)
-        self.w13 = pack_tasks(halves.reshape(e, 2 * self.inter, h))
-        self.w2 = pack_tasks(w2)
+        self.w13 = pack_halves(halves.reshape(e, 2 * self.inter, h))
+        self.w2 = pack_halves(w2)
 
 
 def grouped_fused_experts(x: torch.Tensor, experts: GroupedExperts, weights: torch.Tensor, ids: torch.Tensor,

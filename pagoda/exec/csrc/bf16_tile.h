@@ -70,18 +70,20 @@ inline void store16(uint16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_ca
 // blocks of 16 columns interleaved per pair of k, so that the task streams one contiguous range.
 // Stream: prefetch the weights non-temporal (read once); else into every level, for a task whose
 // later passes read them again (many rows).
-template <int M, bool Stream = true>
-void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock]) {
-  constexpr int kStep = kNB * kBlock * 2;  // elements per pair of k
+// NB < kNB: w is one part of a task packed as [K/2][NB][16][2], its sums go to c's blocks
+// [j0, j0 + NB) (tile_rows_halves).
+template <int M, bool Stream = true, int NB = kNB>
+void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock], int j0 = 0) {
+  constexpr int kStep = NB * kBlock * 2;  // elements per pair of k
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  __m512 acc[M][kNB];
+  __m512 acc[M][NB];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < kNB; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const int64_t pairs = k / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* src = w + p * kStep;
-    __m512bh wv[kNB];
-    for (int j = 0; j < kNB; ++j) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) {
       const char* ahead = reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch;
       if constexpr (Stream) _mm_prefetch(ahead, _MM_HINT_NTA);
       else _mm_prefetch(ahead, _MM_HINT_T0);
@@ -91,17 +93,18 @@ void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB
       int32_t pair;
       std::memcpy(&pair, a[m] + 2 * p, sizeof(pair));
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < kNB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < kNB; ++j) _mm512_storeu_ps(c[m] + j * kBlock, acc[m][j]);
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c[m] + (j0 + j) * kBlock, acc[m][j]);
 #else
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < kNB; ++j)
+    for (int j = j0; j < j0 + NB; ++j)
       for (int i = 0; i < kBlock; ++i) {
         float s = 0.f;
-        for (int64_t q = 0; q < k; ++q) s += to_float(a[m][q]) * to_float(w[(q / 2) * kStep + (j * kBlock + i) * 2 + q % 2]);
+        for (int64_t q = 0; q < k; ++q)
+          s += to_float(a[m][q]) * to_float(w[(q / 2) * kStep + ((j - j0) * kBlock + i) * 2 + q % 2]);
         c[m][j * kBlock + i] = s;
       }
 #endif
@@ -123,6 +126,42 @@ void tile_rows(int rows, const uint16_t* const* a, const uint16_t* w, int64_t k,
     case 4: tile<4, Stream>(a, w, k, c); break;
     case 5: tile<5, Stream>(a, w, k, c); break;
     default: tile<6, Stream>(a, w, k, c); break;
+  }
+}
+
+// Rows per pass of tile_rows_halves at most: 12 rows x 2 blocks, 24 accumulators.
+constexpr int kMRHalves = 12;
+
+// Rows for the next pass of tile_rows_halves over `left` rows, as even as kMRHalves allows.
+inline int64_t pass_rows_halves(int64_t left) {
+  const int64_t passes = (left + kMRHalves - 1) / kMRHalves;
+  return (left + passes - 1) / passes;
+}
+
+// Up to kMRHalves rows against one task packed in halves, [2][K/2][2][16][2] (blocks 0-1, then
+// 2-3; `pack_halves` in exec/cpu_grouped_moe.py): one pass over each half. Where tile_rows takes
+// 7-12 rows in two passes over the whole task, the first bound by reading the weights from memory
+// and the second by arithmetic, one after the other, here the weights stream once while the
+// arithmetic of all the rows goes on. Each sum adds in the same order either way.
+template <bool Stream = true>
+void tile_rows_halves(int rows, const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock]) {
+  for (int half = 0; half < 2; ++half) {
+    const uint16_t* part = w + half * k * 2 * kBlock;
+    const int j0 = 2 * half;
+    switch (rows) {
+      case 1: tile<1, Stream, 2>(a, part, k, c, j0); break;
+      case 2: tile<2, Stream, 2>(a, part, k, c, j0); break;
+      case 3: tile<3, Stream, 2>(a, part, k, c, j0); break;
+      case 4: tile<4, Stream, 2>(a, part, k, c, j0); break;
+      case 5: tile<5, Stream, 2>(a, part, k, c, j0); break;
+      case 6: tile<6, Stream, 2>(a, part, k, c, j0); break;
+      case 7: tile<7, Stream, 2>(a, part, k, c, j0); break;
+      case 8: tile<8, Stream, 2>(a, part, k, c, j0); break;
+      case 9: tile<9, Stream, 2>(a, part, k, c, j0); break;
+      case 10: tile<10, Stream, 2>(a, part, k, c, j0); break;
+      case 11: tile<11, Stream, 2>(a, part, k, c, j0); break;
+      default: tile<12, Stream, 2>(a, part, k, c, j0); break;
+    }
   }
 }
 

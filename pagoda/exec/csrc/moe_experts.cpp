@@ -7,12 +7,14 @@
 // few rows, and the ~25 small torch ops around the 16 calls added their own cost. Here each
 // projection is one OpenMP region over (expert, 64 output columns) tasks, handed out dynamically, so
 // both cores stream weights even when one expert has 2 rows and another 14, and every weight byte is
-// read from memory once per step (a second pass over an expert's rows re-reads its task's 128 KiB).
+// read from memory once per step: an expert's rows up to 12 go in one pass over each half of a task
+// (bf16_tile.h tile_rows_halves), so that its weights stream while the arithmetic goes on.
 //
-// Weights are packed once (pack_w13 / pack_w2 in exec/cpu_grouped_moe.py) into blocks of 16 output
+// Weights are packed once (GroupedExperts in exec/cpu_grouped_moe.py) into blocks of 16 output
 // columns, [K/2][16][2] each: one 64-byte load is 16 columns x one pair of k, the operand of one
-// vdpbf16ps against a broadcast pair of an activation row. w13's gate block j and up block j sit side
-// by side, so a task has both halves of its 32 act columns and applies SiLU-and-multiply itself.
+// vdpbf16ps against a broadcast pair of an activation row. A task's four blocks lie in two halves of
+// two blocks, [2][K/2][2][16][2], each half one contiguous range. w13's halves are a task's 32 gate
+// columns and the same 32 of up, so a task applies SiLU-and-multiply itself.
 //
 // Rounding follows the modules' path (fused_moe.fused_experts with the layer ops): gate-up rounds to
 // bf16, silu(gate) is the layer ops' table of bf16(g / (1 + exp(-g))), its product with up rounds
@@ -61,7 +63,7 @@ const float* silu_table() {
 }  // namespace
 
 // x [T, H] bf16; ids [T, k] int64 (global expert ids); weights [T, k] float32; w13 the packed gate-up
-// [E, I/32, H/2, 4, 16, 2] and w2 the packed down [E, H/64, I/2, 4, 16, 2] of this rank's experts
+// [E, I/32, 2, H/2, 2, 16, 2] and w2 the packed down [E, H/64, 2, I/2, 2, 16, 2] of this rank's experts
 // [expert_start, expert_start + E). Returns [T, H] bf16; pairs routed to other ranks' experts add nothing.
 torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
                                const torch::Tensor& w13, const torch::Tensor& w2, int64_t expert_start) {
@@ -70,11 +72,12 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
               "moe_experts: ids [T, k] int64");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
               "moe_experts: weights [T, k] float32");
-  TORCH_CHECK(w13.dim() == 6 && w2.dim() == 6 && w13.is_contiguous() && w2.is_contiguous(), "moe_experts: packed weights");
+  TORCH_CHECK(w13.dim() == 7 && w2.dim() == 7 && w13.is_contiguous() && w2.is_contiguous() && w13.size(2) == 2 &&
+              w2.size(2) == 2 && w13.size(4) * 2 == kNB && w2.size(4) * 2 == kNB, "moe_experts: packed weights");
   const int64_t T = x.size(0), H = x.size(1), top_k = ids.size(1), E = w13.size(0);
   const int64_t I = w13.size(1) * kBlock * kNB / 2;
-  TORCH_CHECK(w13.size(2) * 2 == H && w2.size(0) == E && w2.size(1) * kBlock * kNB == H && w2.size(2) * 2 == I &&
-              w13.size(3) == kNB && w2.size(3) == kNB, "moe_experts: packed weights do not match x");
+  TORCH_CHECK(w13.size(3) * 2 == H && w2.size(0) == E && w2.size(1) * kBlock * kNB == H && w2.size(3) * 2 == I,
+              "moe_experts: packed weights do not match x");
 
   // The pairs of local experts, grouped by expert in pair order (a stable sort by expert).
   const int64_t* idp = ids.data_ptr<int64_t>();
@@ -116,12 +119,12 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
   for (int64_t task = 0; task < tasks13; ++task) {
     const int64_t e = active[task / groups13], g = task % groups13;
     const uint16_t* w = w13p + e * 2 * I * H + g * kNB * kBlock * H;
-    float c[kMR][kNB * kBlock];
+    float c[kMRHalves][kNB * kBlock];
     for (int64_t r0 = start[e], n; r0 < start[e + 1]; r0 += n) {
-      n = pass_rows(start[e + 1] - r0);
-      const uint16_t* a[kMR];
+      n = pass_rows_halves(start[e + 1] - r0);
+      const uint16_t* a[kMRHalves];
       for (int m = 0; m < n; ++m) a[m] = xp + (pair_of[r0 + m] / top_k) * H;
-      tile_rows(static_cast<int>(n), a, w, H, c);
+      tile_rows_halves(static_cast<int>(n), a, w, H, c);
       for (int m = 0; m < n; ++m) {
         uint16_t* dst = act.data() + (r0 + m) * I + g * 2 * kBlock;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -147,12 +150,12 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
   for (int64_t task = 0; task < tasks2; ++task) {
     const int64_t e = active[task / groups2], g = task % groups2;
     const uint16_t* w = w2p + e * H * I + g * kNB * kBlock * I;
-    float c[kMR][kNB * kBlock];
+    float c[kMRHalves][kNB * kBlock];
     for (int64_t r0 = start[e], n; r0 < start[e + 1]; r0 += n) {
-      n = pass_rows(start[e + 1] - r0);
-      const uint16_t* a[kMR];
+      n = pass_rows_halves(start[e + 1] - r0);
+      const uint16_t* a[kMRHalves];
       for (int m = 0; m < n; ++m) a[m] = act.data() + (r0 + m) * I;
-      tile_rows(static_cast<int>(n), a, w, I, c);
+      tile_rows_halves(static_cast<int>(n), a, w, I, c);
       for (int m = 0; m < n; ++m) {
         const float scale = wp[pair_of[r0 + m]];
         uint16_t* dst = down.data() + (r0 + m) * H + g * kNB * kBlock;
