@@ -71,8 +71,8 @@ def gemm_applies(weight: torch.Tensor) -> bool:
 def pack_tasks(w: torch.Tensor, group: int = 2) -> torch.Tensor:
     """[E, N, K] (N a multiple of 64) -> [E, N/64, K/group, 4, 16, group]: each task's 4 blocks of 16
     output columns, one group of k of all four contiguous, so that a task streams one range (the
-    layout of csrc/bf16_tile.h, pairs of k; the grouped MoE kernel packs its experts so too; the
-    W8A8 GEMM takes groups of 4 bytes, csrc/gemm_int8.cpp)."""
+    layout of csrc/bf16_tile.h, pairs of k; the grouped MoE kernel splits each task in two halves,
+    cpu_grouped_moe.pack_halves; the W8A8 GEMM takes groups of 4 bytes, csrc/gemm_int8.cpp)."""
     e, n, k = w.shape
     return w.reshape(e, n // _TASK_COLS, 4, _TASK_COLS // 4, k // group, group).permute(0, 1, 4, 2, 3, 5).contiguous()
 

@@ -1,7 +1,7 @@
 // The bf16 micro-kernel shared by the grouped MoE experts (moe_experts.cpp) and the dense bf16 GEMM
 // (gemm_bf16.cpp): M activation rows against one task's 64 output columns of weights packed as
-// [K/2][4][16][2] bf16 (`pack_tasks` in exec/cpu_linear.py), one vdpbf16ps per 16 columns and
-// pair of k, accumulated in float32. Also what the GEMMs over this task layout share (gemm_bf16.cpp,
+// [K/2][4][16][2] bf16 (`pack_tasks` in exec/cpu_linear.py; the MoE experts in two halves of two
+// blocks, tile_rows_halves), one vdpbf16ps per 16 columns and pair of k, accumulated in float32. Also what the GEMMs over this task layout share (gemm_bf16.cpp,
 // gemm_int8.cpp): the plan of tasks, the row store, the per-column arguments. Header-only: each
 // extension compiles it for its own CPU flags.
 #pragma once
