@@ -31,7 +31,7 @@ phase "random Qwen3-0.6B-shaped bf16 model"
 
 phase "GPU tests"
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/exec/test_triton_kernels.py tests/exec/test_cuda_graphs.py tests/exec/test_gpu_reference.py \
+    tests/exec/test_triton_kernels.py tests/exec/test_triton_moe.py tests/exec/test_cuda_graphs.py tests/exec/test_gpu_reference.py \
     2>&1 | tee "$RESULTS/gpu-tests.log" | tail -25
 
 phase "GPU-offline benchmark (--compare hf)"
