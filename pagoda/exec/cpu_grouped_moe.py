@@ -34,7 +34,7 @@ def pack_halves(w: torch.Tensor) -> torch.Tensor:
     """[E, N, K] -> [E, N/64, 2, K/2, 2, 16, 2]: `pack_tasks` with each task's four blocks in two
     halves of two, each half one contiguous range (csrc/bf16_tile.h tile_rows_halves)."""
     e, n, k = w.shape
-    tasks = pack_tasks(w).reshape(e, n // 64, k // 2, 2, 2, _BLOCK, 2)
+    tasks = pack_tasks(w).reshape(e, n // (4 * _BLOCK), k // 2, 2, 2, _BLOCK, 2)
     return tasks.permute(0, 1, 3, 2, 4, 5, 6).contiguous()
 
 

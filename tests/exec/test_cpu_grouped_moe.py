@@ -58,9 +58,9 @@ def test_experts_without_tokens_are_not_read():
 
 
 def test_a_token_gets_the_same_bits_alone_or_among_many():
-    # Among 77 tokens an expert has ~19 rows, which the micro-kernel takes in several passes (of up to
-    # 6 rows, kMR); alone, a token's expert has one row and one pass. A row's sums add in the same
-    # order either way, so a token's output does not depend on its batch.
+    # Among 77 tokens an expert has 15-24 rows, which the micro-kernel takes in two passes (of up to
+    # 12 rows, kMRHalves); alone, a token's expert has one row and one pass. A row's sums add in the
+    # same order either way, so a token's output does not depend on its batch.
     w13, w2, g = _experts(hidden=192, inter=160)
     x = torch.randn(77, 192, generator=g).bfloat16()
     weights, ids = select_experts(torch.randn(77, 8, generator=g), 2, True)
@@ -68,7 +68,7 @@ def test_a_token_gets_the_same_bits_alone_or_among_many():
     together = grouped_fused_experts(x, experts, weights, ids)
     alone = torch.cat([grouped_fused_experts(x[t : t + 1], experts, weights[t : t + 1], ids[t : t + 1])
                        for t in range(77)])
-    assert torch.bincount(ids.flatten(), minlength=8).min() > 6  # every expert takes several passes
+    assert torch.bincount(ids.flatten(), minlength=8).min() > 12  # every expert takes two passes
     assert torch.equal(together, alone)
 
 

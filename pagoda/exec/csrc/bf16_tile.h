@@ -1,9 +1,10 @@
 // The bf16 micro-kernel shared by the grouped MoE experts (moe_experts.cpp) and the dense bf16 GEMM
 // (gemm_bf16.cpp): M activation rows against one task's 64 output columns of weights packed as
 // [K/2][4][16][2] bf16 (`pack_tasks` in exec/cpu_linear.py; the MoE experts in two halves of two
-// blocks, tile_rows_halves), one vdpbf16ps per 16 columns and pair of k, accumulated in float32. Also what the GEMMs over this task layout share (gemm_bf16.cpp,
-// gemm_int8.cpp): the plan of tasks, the row store, the per-column arguments. Header-only: each
-// extension compiles it for its own CPU flags.
+// blocks, tile_rows_halves), one vdpbf16ps per 16 columns and pair of k, accumulated in float32.
+// Also what the GEMMs over this task layout share (gemm_bf16.cpp, gemm_int8.cpp): the plan of
+// tasks, the row store, the per-column arguments. Header-only: each extension compiles it for its
+// own CPU flags.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -110,10 +111,11 @@ void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB
 #endif
 }
 
-// Rows for the next pass over `left` rows: passes as even as kMR allows (8 rows: 4 + 4, not 6 + 2),
-// since a pass of one or two rows has too few accumulators to keep the dot-product units busy.
-inline int64_t pass_rows(int64_t left) {
-  const int64_t passes = (left + kMR - 1) / kMR;
+// Rows for the next pass over `left` rows, `most` rows a pass (tile_rows' kMR, tile_rows_halves'
+// kMRHalves): passes as even as that allows (8 rows: 4 + 4, not 6 + 2), since a pass of one or two
+// rows has too few accumulators to keep the dot-product units busy.
+inline int64_t pass_rows(int64_t left, int64_t most = kMR) {
+  const int64_t passes = (left + most - 1) / most;
   return (left + passes - 1) / passes;
 }
 
@@ -131,12 +133,6 @@ void tile_rows(int rows, const uint16_t* const* a, const uint16_t* w, int64_t k,
 
 // Rows per pass of tile_rows_halves at most: 12 rows x 2 blocks, 24 accumulators.
 constexpr int kMRHalves = 12;
-
-// Rows for the next pass of tile_rows_halves over `left` rows, as even as kMRHalves allows.
-inline int64_t pass_rows_halves(int64_t left) {
-  const int64_t passes = (left + kMRHalves - 1) / kMRHalves;
-  return (left + passes - 1) / passes;
-}
 
 // Up to kMRHalves rows against one task packed in halves, [2][K/2][2][16][2] (blocks 0-1, then
 // 2-3; `pack_halves` in exec/cpu_grouped_moe.py): one pass over each half. Where tile_rows takes

@@ -121,7 +121,7 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
     const uint16_t* w = w13p + e * 2 * I * H + g * kNB * kBlock * H;
     float c[kMRHalves][kNB * kBlock];
     for (int64_t r0 = start[e], n; r0 < start[e + 1]; r0 += n) {
-      n = pass_rows_halves(start[e + 1] - r0);
+      n = pass_rows(start[e + 1] - r0, kMRHalves);
       const uint16_t* a[kMRHalves];
       for (int m = 0; m < n; ++m) a[m] = xp + (pair_of[r0 + m] / top_k) * H;
       tile_rows_halves(static_cast<int>(n), a, w, H, c);
@@ -152,7 +152,7 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
     const uint16_t* w = w2p + e * H * I + g * kNB * kBlock * I;
     float c[kMRHalves][kNB * kBlock];
     for (int64_t r0 = start[e], n; r0 < start[e + 1]; r0 += n) {
-      n = pass_rows_halves(start[e + 1] - r0);
+      n = pass_rows(start[e + 1] - r0, kMRHalves);
       const uint16_t* a[kMRHalves];
       for (int m = 0; m < n; ++m) a[m] = act.data() + (r0 + m) * I;
       tile_rows_halves(static_cast<int>(n), a, w, I, c);
