@@ -197,7 +197,7 @@ class EngineArgs:
         None,
         "keep the weights quantized in memory: gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks as they "
         "are: about the file's size, fastest single streams), int8 (any model's linears, per-channel scales), "
-        "fp8 (GPU only, not yet implemented); default: none (a GGUF is dequantized to --dtype: best batch throughput)",
+        "fp8 (a CUDA GPU: e4m3 linears, per-channel scales, torch._scaled_mm); default: none (a GGUF is dequantized to --dtype: best batch throughput)",
         choices=QUANTIZATION_METHODS,
     )
 

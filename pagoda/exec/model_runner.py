@@ -119,7 +119,7 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()  # each step's activations reuse resident pages instead of faulting
         self.sampler = Sampler()
-        install_quant_kernels(model, device)  # weights kept quantized: their CPU kernels
+        install_quant_kernels(model, device)  # weights kept quantized: their CPU kernels, or the GPU's
         self.compute_logits = logits_fn(model, device)
         pack_linears(model, device)  # after logits_fn, which reads the head's weight
         prepare_experts(model, device, triton_ok=not isinstance(self.backend, TorchPagedAttention))

@@ -166,15 +166,49 @@ def _w8a8_serves(module: QuantLinear, dtype: torch.dtype | None) -> bool:
             and w8a8_kernel() is not None)
 
 
+def _install_gpu_kernels(model: nn.Module, device: torch.device, count: int) -> int:
+    move_quantized(model, device)
+    try:
+        from pagoda.exec.triton_quant import install_gpu_quant_kernels
+    except ImportError as exc:
+        logger.warning("triton unavailable (%s): %d quantized layers dequantize on every call", exc, count)
+        return 0
+    return install_gpu_quant_kernels(model)
+
+
+def move_quantized(model: nn.Module, device: torch.device) -> None:
+    """Every quantized layer's packed weight on `device` (a GGUF's blocks are read on the host);
+    a tensor two layers share (a tied head reads the embedding's blocks) is moved once."""
+    moved: dict[int, QuantizedTensor] = {}
+
+    def on_device(weight: QuantizedTensor) -> QuantizedTensor:
+        if weight.data.device == device:
+            return weight
+        if id(weight) not in moved:
+            scale = None if weight.scale is None else weight.scale.to(device)
+            moved[id(weight)] = QuantizedTensor(weight.qtype, weight.rows, weight.cols, weight.data.to(device),
+                                                scale, weight.layout)
+        return moved[id(weight)]
+
+    for module in quantized_modules(model):
+        if isinstance(module, QuantLinear):
+            module.parts = [on_device(p) for p in module.parts]
+        else:
+            module.weight_q = on_device(module.weight_q)
+
+
 def quant_gather(weight: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the dequantized weight, float32."""
     return load_quant_kernels().gather_rows(weight.data, weight.type_id, weight.cols, weight.scale, ids)
 
 
 def install_quant_kernels(model: nn.Module, device: torch.device) -> int:
-    """Give every quantized layer of `model` the CPU kernels; returns how many. Without a build
-    the layers keep their (slow) dequantize-everything fallback, with a warning."""
+    """Give every quantized layer of `model` the CPU kernels (on CUDA the Triton ones,
+    exec/triton_quant.py); returns how many. Without a build the layers keep their (slow)
+    dequantize-everything fallback, with a warning."""
     modules = quantized_modules(model)
+    if modules and device.type == "cuda":
+        return _install_gpu_kernels(model, device, len(modules))
     if not modules or device.type != "cpu":
         return 0
     if load_quant_kernels() is None:

@@ -2,8 +2,10 @@
 
 `gguf`: a GGUF's linear and embedding weights in a format with kernels (quantized.GGUF_KERNEL_TYPES)
 are kept as the file's blocks, never dequantized, so resident weight memory is about the file's
-size; norms and any float tensors load as usual. `int8`: any model's linears (not the embedding or
-the LM head) become int8 with one float32 scale per output channel, computed at load.
+size; norms and any float tensors load as usual. `int8` (and `fp8`, e4m3 on a GPU): any model's
+linears (not the embedding or the LM head) become int8 (fp8) with one float32 scale per output
+channel, computed at load. The execution layer gives each format its kernels (CPU: C++; CUDA: Triton
+and torch._scaled_mm).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 from pagoda.model.errors import ModelLoadError
 from pagoda.model.mmap_weights import release_pages
 from pagoda.model.quantized import (
-    GGUF_KERNEL_TYPES, QUANTIZATIONS, QuantEmbedding, QuantizedTensor, QuantLinear, quantize_int8,
+    GGUF_KERNEL_TYPES, QUANTIZATIONS, QuantEmbedding, QuantizedTensor, QuantLinear, quantize_fp8, quantize_int8,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,12 +45,14 @@ def check_quantization(quantization: str | None, device: torch.device, source_is
         return
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"quantization {quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+    if device.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"quantization {quantization} runs on the CPU or a CUDA GPU; the device is {device.type}")
     if quantization == "fp8":
         if device.type != "cuda":
             raise ModelLoadError(f"quantization fp8 needs a CUDA GPU (e4m3 weights); the device is {device.type}")
-        raise ModelLoadError("quantization fp8 is not implemented yet; on a GPU use the model's dtype")
-    if device.type != "cpu":
-        raise ModelLoadError(f"quantization {quantization} runs on the CPU only so far; the device is {device.type}")
+        if source_is_gguf:
+            raise ModelLoadError("quantization fp8 needs a Hugging Face folder of float weights; "
+                                 "a .gguf keeps its own blocks with --quantization gguf")
     if quantization == "gguf" and not source_is_gguf:
         raise ModelLoadError("quantization gguf needs a .gguf model; for a Hugging Face folder use --quantization int8")
     if parallel > 1:
@@ -154,8 +158,9 @@ def release_file_pages(reader) -> None:
                 pass
 
 
-def quantize_linears_int8(net: nn.Module) -> int:
-    """Replace every nn.Linear but the LM head with an int8 QuantLinear; returns how many."""
+def quantize_linears(net: nn.Module, quantize=quantize_int8) -> int:
+    """Replace every nn.Linear but the LM head with a QuantLinear of `quantize(weight)` (int8 or
+    fp8); returns how many."""
     targets = [
         (parent, name, child)
         for parent in net.modules()
@@ -165,7 +170,7 @@ def quantize_linears_int8(net: nn.Module) -> int:
     dropped = []
     for parent, name, child in targets:
         new = QuantLinear(child.in_features, child.out_features, False)
-        new.set_parts([quantize_int8(child.weight)])
+        new.set_parts([quantize(child.weight)])
         new.bias = child.bias
         setattr(parent, name, new)
         dropped.append(child.weight)
@@ -194,7 +199,7 @@ def load_packed_gguf(net: nn.Module, path, config, dtype: torch.dtype, device: t
 
 
 def requantize(loaded, quantization: str | None):
-    """A loaded model (loader.LoadedModel) with its linears made int8 under --quantization int8."""
-    if quantization == "int8":
-        quantize_linears_int8(loaded.model)
+    """A loaded model (loader.LoadedModel) with its linears made int8 (fp8) under --quantization int8 (fp8)."""
+    if quantization in ("int8", "fp8"):
+        quantize_linears(loaded.model, quantize_fp8 if quantization == "fp8" else quantize_int8)
     return loaded

@@ -1,8 +1,8 @@
 """Weights kept quantized in memory: the packed tensor (plain data) and the layers that hold it.
 
 A `QuantizedTensor` is a weight matrix in one of the block formats the CPU kernels read (GGUF's
-Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K as they lie in the file, or int8 rows with a float32 scale per
-output channel). `QuantLinear` and `QuantEmbedding` stand in for nn.Linear and nn.Embedding. Their
+Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K as they lie in the file, or int8 or fp8 (e4m3) rows with a
+float32 scale per output channel). `QuantLinear` and `QuantEmbedding` stand in for nn.Linear and nn.Embedding. Their
 matmul and row lookup are supplied by the execution layer (`exec/quant_linear.py` sets `kernel`),
 which picks the kernel by the weight's format and the device; without one they fall back to
 dequantizing the whole matrix on every call (correct, slow: only for builds without the C++ kernels).
@@ -30,8 +30,8 @@ BLOCK_LAYOUT = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (2
 
 @dataclass
 class QuantizedTensor:
-    """A [rows, cols] weight as packed bytes: `data` is uint8 [rows, bytes per row] (int8 weights
-    viewed as bytes); `scale`, int8 only, float32 [rows].
+    """A [rows, cols] weight as packed bytes: `data` is uint8 [rows, bytes per row] (int8 and fp8
+    weights viewed as bytes); `scale`, int8 and fp8 only, float32 [rows].
 
     `layout` (int8 only), where the execution layer has reordered the int8 values for a GEMM: "tasks",
     [ceil(rows / 64), cols / 2, 4, 16, 2] for the bf16 GEMM (exec/cpu_linear.pack_gemm); "w8a8",
@@ -54,7 +54,9 @@ class QuantizedTensor:
         return self.data.numel() + (0 if self.scale is None else self.scale.numel() * 4)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 matrix: gguf-py's dequantization, or int8 times its scales."""
+        """The float32 matrix: gguf-py's dequantization, or int8/fp8 values times their scales."""
+        if self.qtype == "fp8":
+            return self.data.view(torch.float8_e4m3fn).float() * self.scale[:, None]
         if self.qtype == "int8":
             q = self.data.view(torch.int8)
             if self.layout == "w8a8":
@@ -86,6 +88,18 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedTensor("int8", w.shape[0], w.shape[1], q.view(torch.uint8).contiguous(), scale.contiguous())
+
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_fp8(weight: torch.Tensor) -> QuantizedTensor:
+    """e4m3 per output channel: scale = max |w| / 448 over each row (1 for a zero row)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (w / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return QuantizedTensor("fp8", w.shape[0], w.shape[1], q.view(torch.uint8).contiguous(), scale.contiguous())
 
 
 class MatmulKernel(Protocol):

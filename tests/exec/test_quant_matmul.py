@@ -23,6 +23,7 @@ import torch
 from pagoda.cpp_build import cpu_flags
 from pagoda.exec.quant_linear import TILE_ROWS
 from pagoda.model.quantized import GGUF_KERNEL_TYPES, QuantizedTensor, quantize_int8
+from tests.exec.matmul_bounds import assert_within_fp32_rounding
 
 gguf = pytest.importorskip("gguf")
 
@@ -48,14 +49,6 @@ def make_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np
 def reference(name: str, blocks: np.ndarray, rows: int, cols: int) -> torch.Tensor:
     w = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[name])
     return torch.from_numpy(np.asarray(w, dtype=np.float32)).reshape(rows, cols)
-
-
-def assert_within_fp32_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    exact = x.double() @ w.double().t()
-    magnitude = x.abs().double() @ w.abs().double().t()
-    bound = 4 * x.shape[1] * torch.finfo(torch.float32).eps * magnitude + 1e-30
-    excess = ((got.double() - exact).abs() - bound).max().item()
-    assert excess <= 0, f"error above float32 rounding by {excess}"
 
 
 def assert_within_int8_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: float = 0.0) -> None:

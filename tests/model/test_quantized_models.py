@@ -198,6 +198,18 @@ def test_quantizations_that_do_not_fit_are_refused_in_one_line(tmp_path, tiny_hf
     assert load_model(str(path), dtype="float32").model is not None  # without it: dequantized, as before
     with pytest.raises(ValueError, match="quantization must be one of gguf, int8, fp8; got 'awq'"):
         EngineArgs(quantization="awq")
+    # The device rules alone (no GPU needed): fp8 takes a folder of float weights on CUDA, every
+    # quantization runs on the CPU or CUDA.
+    from pagoda.model.quant_loader import check_quantization
+
+    cuda = torch.device("cuda")
+    with pytest.raises(ModelLoadError, match=r"^quantization fp8 needs a Hugging Face folder of float weights; "
+                                             r"a \.gguf keeps its own blocks with --quantization gguf$"):
+        check_quantization("fp8", cuda, source_is_gguf=True)
+    for quantization, gguf_source in (("fp8", False), ("int8", False), ("gguf", True), ("int8", True)):
+        check_quantization(quantization, cuda, gguf_source)
+    with pytest.raises(ModelLoadError, match=r"^quantization int8 runs on the CPU or a CUDA GPU; the device is mps$"):
+        check_quantization("int8", torch.device("mps"), False)
     with pytest.raises(ValueError, match="runs on one rank in this process only"):
         EngineArgs(quantization="int8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="runs on one rank in this process only"):
