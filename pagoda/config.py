@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field, fields
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 # `--quantization`: weights kept quantized in memory (pagoda/model/quant_loader.py).
 QUANTIZATION_METHODS = ("gguf", "int8", "fp8")
 # The names `--dtype` takes (vLLM's) and the short ones the loader also accepts.
@@ -133,7 +133,8 @@ class EngineArgs:
         "auto",
         "KV cache dtype; auto: the model's. bfloat16/float16 store an fp32 model's K/V in half the memory "
         "(CPU only; float16 keeps more precision, bfloat16 fp32's range); int8 in half a 16-bit cache's, "
-        "with a scale per block and KV head (CPU only)",
+        "with a scale per block and KV head (CPU only); fp8 (= fp8_e4m3) in half a 16-bit cache's, e4m3 "
+        "with a scale per layer (a CUDA GPU)",
         choices=KV_CACHE_DTYPES,
     )
     device: str = _arg("auto", "auto, cpu, cuda or cuda:N; auto: cuda when available, else cpu")

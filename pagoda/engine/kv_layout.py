@@ -20,9 +20,14 @@ def kv_cache_dtype(args: EngineArgs, loaded: LoadedModel, device: torch.device) 
     name = args.kv_cache_dtype
     if name == "auto":
         return loaded.dtype
+    if name in ("fp8", "fp8_e4m3"):
+        if device.type != "cuda":
+            raise ValueError(f"kv_cache_dtype={name!r} needs a CUDA GPU (e4m3, read by the Triton kernels); "
+                             f"on the {device.type} use 'int8'")
+        return torch.float8_e4m3fn
     if device.type != "cpu":
-        # The Triton kernels have not been checked against a cache dtype other than the model's.
-        raise ValueError(f"kv_cache_dtype={name!r} is supported on the CPU only; use 'auto' on {device.type}")
+        # The Triton kernels have not been checked against a 16-bit or int8 cache other than the model's dtype.
+        raise ValueError(f"kv_cache_dtype={name!r} is supported on the CPU only; use 'auto' or 'fp8' on {device.type}")
     return getattr(torch, name)
 
 

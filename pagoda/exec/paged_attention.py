@@ -40,6 +40,9 @@ class PagedKVCache:
         self.tensor = _zeros(shape, dtype, torch.device(device))
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # An fp8 cache's (K, V) scale per layer: it holds value / scale. 1.0, vLLM's default when a
+        # checkpoint brings no scales; e4m3 covers +-448, past any K or V of the models served here.
+        self.kv_scales = [(1.0, 1.0)] * num_layers
         # Only a lazily mapped CPU cache gives pages back; elsewhere the memory is held whole.
         self.can_release = self.tensor.device.type == "cpu"
 
@@ -158,6 +161,8 @@ class TorchPagedAttention:
             prefill = load_prefill_attention()
             if prefill is not None:
                 self.prefill_kernel = prefill.prefill_attention
+        if kv_cache.tensor.dtype == torch.float8_e4m3fn:
+            raise ValueError("kv_cache_dtype='fp8' needs the Triton kernels (a CUDA GPU with triton installed)")
         if kv_cache.tensor.dtype == torch.int8 and self.write_kernel is None:
             raise ValueError("kv_cache_dtype='int8' needs Pagoda's C++ CPU kernels, which could not be built here "
                              "(see the log); use 'auto' or a 16-bit cache")

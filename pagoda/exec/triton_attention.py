@@ -3,7 +3,9 @@
 Owns three kernels and the `TritonPagedAttention` backend that launches them:
 
 - `_write_kv_kernel`: one program per token row stores its K and V at `slot_mapping[t]`; rows with
-  slot -1 (CUDA-graph padding) store nothing.
+  slot -1 (CUDA-graph padding) store nothing. An fp8 cache (`--kv-cache-dtype fp8`, e4m3) holds
+  each value divided by its layer's scale (`PagedKVCache.kv_scales`); the attention kernels widen
+  what they load to the queries' dtype and multiply the scales back in.
 - `_decode_kernel` + `_decode_reduce_kernel`: one query per sequence over its block table. The
   context is split into `num_splits` parts (flash-decoding / split-K) so that a few long sequences
   still fill the GPU; each part writes a partial output and its log-sum-exp, and the reduce kernel
@@ -42,8 +44,8 @@ def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
-    num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_kv_heads, head_dim, inv_k_scale, inv_v_scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -55,6 +57,9 @@ def _write_kv_kernel(
     dst = (safe // BLOCK_SIZE) * stride_cb + (safe % BLOCK_SIZE) * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if FP8:  # e4m3 has no infinity: a value past its range would become NaN, so clamp
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -448.0), 448.0)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -63,7 +68,7 @@ def _write_kv_kernel(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    scale, num_splits,
+    scale, v_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     head_dim,
@@ -101,18 +106,19 @@ def _decode_kernel(
         page = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
         row = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        # K and V are widened to the queries' dtype (a no-op unless the cache is fp8).
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q.to(k.dtype), tl.trans(k))
+            s = tl.dot(q, tl.trans(k))
         s = tl.where(mask_n[None, :], s * scale, float("-inf"))
         # Every tile holds at least one valid key, so m_new is finite and alpha never NaN.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -120,7 +126,7 @@ def _decode_kernel(
         m_i = m_new
 
     has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(has_keys, l_i, 1.0)[:, None]
     out_mask = mask_g[:, None] & mask_d[None, :]
     if SPLIT:
         # Partials are [B, Hq, num_splits, D] and [B, Hq, num_splits], contiguous fp32.
@@ -165,7 +171,7 @@ def _decode_reduce_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    scale, first_req,
+    scale, v_scale, first_req,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     head_dim,
@@ -205,11 +211,12 @@ def _prefill_kernel(
         page = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
         row = page * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        # K and V are widened to the queries' dtype (a no-op unless the cache is fp8).
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q.to(k.dtype), tl.trans(k))
+            s = tl.dot(q, tl.trans(k))
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * scale, float("-inf"))
         # A padded query row (beyond q_len) may see no key in a tile: keep its max finite.
@@ -218,13 +225,13 @@ def _prefill_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     dst = out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -233,8 +240,10 @@ def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store K/V rows [T, Hkv, D] at `slots` [T] of caches [num_blocks, block_size, Hkv, D]; slot -1 is skipped."""
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store K/V rows [T, Hkv, D] at `slots` [T] of caches [num_blocks, block_size, Hkv, D]; slot -1 is
+    skipped. An fp8 cache stores each value divided by its scale, clamped to e4m3's range."""
     num_tokens = slots.shape[0]
     if num_tokens == 0:
         return
@@ -243,8 +252,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k, v, k_cache, v_cache, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_kv_heads, head_dim,
-        BLOCK_SIZE=block_size, BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim),
+        num_kv_heads, head_dim, 1.0 / k_scale, 1.0 / v_scale,
+        BLOCK_SIZE=block_size, BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim), FP8=k_cache.element_size() == 1,
     )
 
 
@@ -264,8 +273,11 @@ def paged_decode(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends over each row's first seq_lens[b] cached tokens; returns [B, Hq, D]."""
+    """q [B, Hq, D] attends over each row's first seq_lens[b] cached tokens (stored K and V times
+    k_scale and v_scale: an fp8 cache's); returns [B, Hq, D]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -281,7 +293,7 @@ def paged_decode(
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, part_out, part_lse,
-        scale, num_splits,
+        scale * k_scale, v_scale, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         head_dim,
@@ -309,6 +321,8 @@ def paged_prefill(
     num_reqs: int,
     max_query_len: int,
     out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Requests first_req..first_req+num_reqs-1: rows query_start_loc[i]..[i+1] of q attend causally
     over their seq_lens[i] cached tokens (this chunk's own K/V already written); fills `out`."""
@@ -317,7 +331,7 @@ def paged_prefill(
     grid = (num_reqs, num_heads, triton.cdiv(max_query_len, _PREFILL_BLOCK_M))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale, first_req,
+        scale * k_scale, v_scale, first_req,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         head_dim,
@@ -337,21 +351,23 @@ class TritonPagedAttention:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedAttentionMetadata, scale: float
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.layer(layer_idx)
+        k_scale, v_scale = self.kv_cache.kv_scales[layer_idx]
         # Every row has a slot (padding rows -1), so the write covers exactly the rows given.
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             num_splits = decode_num_splits(nd, k_cache.shape[2], meta.max_seq_len)
             paged_decode(
-                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, num_splits, out=out[:nd]
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, num_splits, out=out[:nd],
+                k_scale=k_scale, v_scale=v_scale,
             )
         num_prefills = meta.block_tables.shape[0] - nd
         if num_prefills > 0:
             max_q = meta.max_query_len or _max_query_len(meta)
             paged_prefill(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                nd, num_prefills, max_q, out,
+                nd, num_prefills, max_q, out, k_scale, v_scale,
             )
         return out
 

@@ -246,12 +246,18 @@ def test_kv_cache_dtype_errors(tiny):
     from pagoda.config import EngineArgs
     from pagoda.engine.kv_layout import kv_cache_dtype
 
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, int8; got 'fp8'"):
-        EngineArgs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, int8, fp8, fp8_e4m3; "
+                                         "got 'fp8_e5m2'"):
+        EngineArgs(kv_cache_dtype="fp8_e5m2")
     # Only the dtype choice: no CUDA machine needed.
     with pytest.raises(ValueError, match="supported on the CPU only"):
         kv_cache_dtype(EngineArgs(kv_cache_dtype="float16"), tiny[0], torch.device("cuda"))
     assert kv_cache_dtype(EngineArgs(), tiny[0], torch.device("cuda")) == torch.float32
+    for name in ("fp8", "fp8_e4m3"):
+        assert kv_cache_dtype(EngineArgs(kv_cache_dtype=name), tiny[0], torch.device("cuda")) == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype='fp8' needs a CUDA GPU \(e4m3, read by the Triton kernels\); "
+                                         r"on the cpu use 'int8'$"):
+        kv_cache_dtype(EngineArgs(kv_cache_dtype="fp8"), tiny[0], torch.device("cpu"))
 
 
 GREEDY8 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -37,6 +37,29 @@ def _install_numpy24_index_fix() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _install_fp8_rounding_fix() -> None:
+    """Triton 3.6's interpreter rounds float32 -> e4m3 by adding the cut-off bit to the mantissa
+    without carrying into the exponent: 31.5 becomes 16, not 32. A GPU rounds to nearest even, as
+    torch does; take torch's conversion for that case, in the interpreter only."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "_pagoda_fixed", False):
+        return
+
+    def patched(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == triton.language.float8e4nv and input_dtype in (triton.language.float32,
+                                                                          triton.language.float16):
+            wide = torch.from_numpy(np.ascontiguousarray(data).view(np.float32 if input_dtype.primitive_bitwidth == 32
+                                                                    else np.float16).astype(np.float32))
+            return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return original(data, input_dtype, output_dtype, rounding_mode)
+
+    patched._pagoda_fixed = True
+    interpreter._convert_float = patched
+
+
 ON_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 if not ON_CUDA:
     # Before triton itself is imported: its own library functions (tl.zeros, ...) are jit-decorated
@@ -55,6 +78,7 @@ if not ON_CUDA:
     if "pagoda.exec.triton_attention" in sys.modules:
         importlib.reload(sys.modules["pagoda.exec.triton_attention"])
     _install_numpy24_index_fix()
+    _install_fp8_rounding_fix()
 
 from pagoda.exec import triton_attention as ta  # noqa: E402
 from pagoda.exec.paged_attention import TorchPagedAttention  # noqa: E402
