@@ -150,6 +150,8 @@ class TorchPagedAttention:
     """The CPU (and fallback) paged attention backend."""
 
     def __init__(self, kv_cache: PagedKVCache) -> None:
+        if kv_cache.tensor.dtype == torch.float8_e4m3fn:
+            raise ValueError("kv_cache_dtype='fp8' needs the Triton kernels (a CUDA GPU with triton installed)")
         self.kv_cache = kv_cache
         self.decode_kernel = self.write_kernel = self.prefill_kernel = None
         if kv_cache.tensor.device.type == "cpu":
@@ -161,8 +163,6 @@ class TorchPagedAttention:
             prefill = load_prefill_attention()
             if prefill is not None:
                 self.prefill_kernel = prefill.prefill_attention
-        if kv_cache.tensor.dtype == torch.float8_e4m3fn:
-            raise ValueError("kv_cache_dtype='fp8' needs the Triton kernels (a CUDA GPU with triton installed)")
         if kv_cache.tensor.dtype == torch.int8 and self.write_kernel is None:
             raise ValueError("kv_cache_dtype='int8' needs Pagoda's C++ CPU kernels, which could not be built here "
                              "(see the log); use 'auto' or a 16-bit cache")

@@ -253,7 +253,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_kv_heads, head_dim, 1.0 / k_scale, 1.0 / v_scale,
-        BLOCK_SIZE=block_size, BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim), FP8=k_cache.element_size() == 1,
+        BLOCK_SIZE=block_size, BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim), FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 

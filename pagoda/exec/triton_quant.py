@@ -25,7 +25,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from pagoda.model.quantized import E4M3_MAX, QuantEmbedding, QuantizedTensor, QuantLinear, quantized_modules
+from pagoda.model.quantized import (
+    GGUF_KERNEL_TYPES, INT8_TYPE_ID, QuantEmbedding, QuantizedTensor, QuantLinear, e4m3_rows, quantized_modules,
+)
 
 # Up to this many rows the fused kernel serves (a decode step's batch); above, dequantize + cuBLAS.
 FUSED_ROWS = 64
@@ -35,8 +37,13 @@ _TILE_BYTES = 64 << 20
 _BLOCK_N = 64
 _BLOCK_K = 32
 _DEQUANT_BLOCK = 256
-# ggml's type ids (model/quantized.py keys the formats by them); int8 rows are 24.
-_Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K, _INT8 = 2, 3, 8, 12, 13, 14, 24
+# The formats' type ids (model/quantized.py's), as compile-time constants of the kernels.
+_INT8 = tl.constexpr(INT8_TYPE_ID)
+_Q8_0 = tl.constexpr(GGUF_KERNEL_TYPES["Q8_0"])
+_Q4_0 = tl.constexpr(GGUF_KERNEL_TYPES["Q4_0"])
+_Q4_1 = tl.constexpr(GGUF_KERNEL_TYPES["Q4_1"])
+_Q4_K = tl.constexpr(GGUF_KERNEL_TYPES["Q4_K"])
+_Q5_K = tl.constexpr(GGUF_KERNEL_TYPES["Q5_K"])  # Q6_K: the last branch
 
 
 @triton.jit
@@ -68,25 +75,25 @@ def _scale_min_k4(scales, sub, mask):
 def _dequant(w_ptr, row_stride, n, k, mask, QTYPE: tl.constexpr):
     """Values W[n, k] (n and k broadcast to one shape) in float32; int8 without its row scale."""
     row = w_ptr + n.to(tl.int64) * row_stride
-    if QTYPE == 24:  # int8 rows
+    if QTYPE == _INT8:  # int8 rows
         return tl.load(row + k, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    elif QTYPE == 8:  # Q8_0: fp16 d, 32 int8
+    elif QTYPE == _Q8_0:  # Q8_0: fp16 d, 32 int8
         base = row + (k // 32) * 34
         q = tl.load(base + 2 + k % 32, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         return _f16(base, mask) * q
-    elif QTYPE == 2:  # Q4_0: fp16 d, 16 bytes of nibbles (low: values 0-15, high: 16-31), offset 8
+    elif QTYPE == _Q4_0:  # Q4_0: fp16 d, 16 bytes of nibbles (low: values 0-15, high: 16-31), offset 8
         j = k % 32
         base = row + (k // 32) * 18
         b = _byte(base + 2 + j % 16, mask)
         nib = tl.where(j < 16, b & 0xF, b >> 4)
         return _f16(base, mask) * (nib - 8).to(tl.float32)
-    elif QTYPE == 3:  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
+    elif QTYPE == _Q4_1:  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles
         j = k % 32
         base = row + (k // 32) * 20
         b = _byte(base + 4 + j % 16, mask)
         nib = tl.where(j < 16, b & 0xF, b >> 4)
         return _f16(base, mask) * nib.to(tl.float32) + _f16(base + 2, mask)
-    elif QTYPE == 12:  # Q4_K: fp16 d, fp16 dmin, 12 bytes of scales, 128 bytes of nibbles
+    elif QTYPE == _Q4_K:  # Q4_K: fp16 d, fp16 dmin, 12 bytes of scales, 128 bytes of nibbles
         j = k % 256
         base = row + (k // 256) * 144
         chunk = j // 64
@@ -95,7 +102,7 @@ def _dequant(w_ptr, row_stride, n, k, mask, QTYPE: tl.constexpr):
         b = _byte(base + 16 + chunk * 32 + within % 32, mask)
         nib = tl.where(within < 32, b & 0xF, b >> 4)
         return _f16(base, mask) * sc * nib.to(tl.float32) - _f16(base + 2, mask) * mn
-    elif QTYPE == 13:  # Q5_K: as Q4_K, and 32 bytes of fifth bits before the nibbles
+    elif QTYPE == _Q5_K:  # Q5_K: as Q4_K, and 32 bytes of fifth bits before the nibbles
         j = k % 256
         base = row + (k // 256) * 176
         chunk = j // 64
@@ -142,7 +149,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, m_rows, n_out, k_dim,
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    if QTYPE == 24:
+    if QTYPE == _INT8:
         acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -157,7 +164,7 @@ def _dequant_rows_kernel(w_ptr, ids_ptr, scale_ptr, out_ptr, k_dim, stride_wn, s
     ks = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = ks < k_dim
     w = _dequant(w_ptr, stride_wn, n, ks, mask, QTYPE)
-    if QTYPE == 24:
+    if QTYPE == _INT8:
         w = w * tl.load(scale_ptr + n)
     tl.store(out_ptr + i.to(tl.int64) * stride_on + ks, w.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -215,21 +222,15 @@ def _scaled_mm_fits(x: torch.Tensor, weight: QuantizedTensor) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16) and weight.cols % 16 == 0 and weight.rows % 16 == 0
 
 
-def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 values, float32 scale [M, 1]) with x ~= values * scale, per row."""
-    scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
-    values = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return values, scale
-
-
 def fp8_matmul(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     """x [M, K] @ dequantize(weight).T for an fp8 weight: W8A8 through torch._scaled_mm (rowwise
     scales: the activations' per row, the weight's per output channel), else weight-only."""
     w8 = weight.data.view(torch.float8_e4m3fn)
     if not _scaled_mm_fits(x, weight):
         return torch.nn.functional.linear(x, (w8.to(torch.float32) * weight.scale[:, None]).to(x.dtype))
-    x8, x_scale = quantize_rows_e4m3(x.contiguous())
-    out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=weight.scale.view(1, -1), out_dtype=torch.bfloat16)
+    x8, x_scale = e4m3_rows(x)  # per row, as the weight's per output channel
+    out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight.scale.unsqueeze(0),
+                           out_dtype=torch.bfloat16)
     return out.to(x.dtype)
 
 

@@ -93,13 +93,20 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
-def quantize_fp8(weight: torch.Tensor) -> QuantizedTensor:
-    """e4m3 per output channel: scale = max |w| / 448 over each row (1 for a zero row)."""
-    w = weight.detach().float()
+def e4m3_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, C] -> (float8_e4m3fn values, float32 scale [R]), w ~= values * scale row by row:
+    scale = max |w| / 448 over each row (1 for a zero row). Weights at load, and activations on the
+    GPU (exec/triton_quant.py) alike."""
+    w = w.detach().float()
     scale = w.abs().amax(dim=1) / E4M3_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (w / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return QuantizedTensor("fp8", w.shape[0], w.shape[1], q.view(torch.uint8).contiguous(), scale.contiguous())
+    return (w / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantize_fp8(weight: torch.Tensor) -> QuantizedTensor:
+    """e4m3 per output channel (`e4m3_rows`)."""
+    q, scale = e4m3_rows(weight)
+    return QuantizedTensor("fp8", q.shape[0], q.shape[1], q.view(torch.uint8).contiguous(), scale.contiguous())
 
 
 class MatmulKernel(Protocol):
