@@ -9,6 +9,8 @@ size (1 and 32 by default) decodes `--tokens` tokens per request through `LLM.ge
 a decode rate is (tokens of a long run - tokens of a short run) / (their time difference), which
 takes the prefill out. The models alternate, `--repeats` times, and the medians are reported, with
 the MoE's rate over the dense model's: the issue's bar is 0.8 at batch 1 and at batch 32.
+`--quantization int8` runs both models with int8 weights (the MoE's experts as QuantExperts, the
+dense model's MLP as QuantLinear), the same comparison for weights kept quantized.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens per request in the timed difference")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", choices=["int8"], help="both models' weights kept int8")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
 
@@ -79,7 +82,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         folders = save_models(Path(tmp), args)
-        llms = {name: LLM(folder, dtype=args.dtype, max_num_seqs=max(args.batches), num_gpu_blocks_override=512)
+        llms = {name: LLM(folder, dtype=args.dtype, max_num_seqs=max(args.batches), num_gpu_blocks_override=512,
+                          quantization=args.quantization)
                 for name, folder in folders.items()}
         rates: dict[tuple[str, int], list[float]] = {}
         for batch in args.batches:

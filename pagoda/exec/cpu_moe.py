@@ -44,7 +44,9 @@ class PackedExperts:
 def pack_experts(model: nn.Module, device: torch.device) -> int:
     """Give every FusedMoE of `model` packed experts where oneDNN serves their dtype on `device`;
     returns how many layers were packed."""
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and _onednn_usable(m.w13_weight, device)]
+    # (experts already set are kept quantized: model/quant_loader.py, with their kernels from quant_linear.py)
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.packed_experts is None
+              and _onednn_usable(m.w13_weight, device)]
     for layer in layers:
         w13, w2 = layer.w13_weight.detach(), layer.w2_weight.detach()
         try:

@@ -15,8 +15,10 @@ What it serves: Llama-family layers (Llama, Mistral, Qwen2 with its QKV bias, Qw
 per-head q/k norms) with a dense MLP, without tensor or pipeline parallelism, in float32 or bfloat16
 on the CPU, with the C++ paged kernels, and linears that are packed (cpu_linear) or quantized with
 their kernel (quant_linear). MoE layers (Mixtral's, Qwen3-MoE's: routed experts without a shared one)
-are served where their experts run on the grouped bf16 kernel (cpu_grouped_moe): the router, its
-softmax and top-k through the same ATen calls, then that kernel; other MoE layers take the modules.
+are served where their experts run on the grouped bf16 kernel (cpu_grouped_moe) or are kept
+quantized (model/quantized.QuantExperts): the router, its softmax and top-k through the same ATen
+calls, then that kernel, or fused_moe.fused_experts' sort and each expert's quantized projections;
+other MoE layers take the modules.
 PAGODA_NO_FUSED_DECODE=1 turns it off.
 
 The plan holds the tensors it was built with; weight updates copy into them in place, but a packed
@@ -47,7 +49,8 @@ from pagoda.exec.quant_linear import TILE_ROWS, Int8Rows, int8_gemm, load_quant_
 from pagoda.model.cpu_layer_ops import FUSED_DTYPES, load_layer_ops
 from pagoda.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pagoda.model.moe import FusedMoE
-from pagoda.model.quantized import QuantLinear
+from pagoda.model.fused_moe import fused_experts
+from pagoda.model.quantized import QuantExperts, QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +143,10 @@ class FusedCPUDecoder:
             mlp = layer.mlp
             if type(layer) is not LlamaDecoderLayer or type(mlp) not in (LlamaMLP, FusedMoE):
                 raise _NotServed(f"layer {i} is not a Llama layer with a dense MLP or routed experts")
-            if type(mlp) is FusedMoE and not (isinstance(mlp.packed_experts, GroupedExperts)
-                                              and mlp.experts_kernel is grouped_fused_experts):
-                raise _NotServed(f"layer {i}'s experts are not on the grouped kernel")
+            experts, kernel = getattr(mlp, "packed_experts", None), getattr(mlp, "experts_kernel", None)
+            if type(mlp) is FusedMoE and not (isinstance(experts, GroupedExperts) and kernel is grouped_fused_experts
+                                              or isinstance(experts, QuantExperts) and kernel is fused_experts):
+                raise _NotServed(f"layer {i}'s experts are neither on the grouped kernel nor quantized")
             attn = layer.self_attn
             qk_norms = attn.q_norm is not None
             if qk_norms and (attn.q_norm.eps != attn.k_norm.eps or attn.q_norm.weight.dtype != dtype):
@@ -170,6 +174,12 @@ class FusedCPUDecoder:
     def _experts(self, plan, mlp: FusedMoE, router) -> None:
         experts = mlp.packed_experts
         self._held += [(mlp, "packed_experts", experts), (experts, "w13", experts.w13), (experts, "w2", experts.w2)]
+        if isinstance(experts, QuantExperts):
+            kernel = experts.kernel
+            plan.set_quantized_experts(router, [self._quantized(parts, None, kernel) for parts in experts.w13],
+                                       [self._quantized([w], None, kernel) for w in experts.w2],
+                                       mlp.top_k, mlp.renormalize)
+            return
         plan.set_experts(router, experts.w13, experts.w2, mlp.top_k, mlp.renormalize, mlp.expert_start)
 
     def _addresses(self) -> dict[str, int]:
@@ -178,10 +188,11 @@ class FusedCPUDecoder:
             addresses.update(load_prefill_attention()._addresses())
         if gemm_kernel() is not None:
             addresses.update(gemm_kernel()._addresses())
-        quant = load_quant_kernels() if any(isinstance(m, QuantLinear) for m in self.model.modules()) else None
+        quantized = [m for m in self.model.modules() if isinstance(m, (QuantLinear, QuantExperts))]
+        quant = load_quant_kernels() if quantized else None
         if quant is not None:
             addresses.update(quant._addresses())
-        if any(isinstance(m, QuantLinear) and m.kernel is w8a8_gemm for m in self.model.modules()):
+        if any(m.kernel is w8a8_gemm for m in quantized):
             addresses.update(load_gemm_int8()._addresses())
         if any(isinstance(m, FusedMoE) for m in self.model.modules()) and grouped_kernel() is not None:
             addresses.update(grouped_kernel()._addresses())
@@ -194,18 +205,22 @@ class FusedCPUDecoder:
             if module.gemm:
                 return ops.gemm_linear(module.packed, module.bias, module.out_features)
             return ops.packed_linear(module.packed, module.bias)
-        if isinstance(module, QuantLinear) and module.kernel in (int8_gemm, w8a8_gemm):
+        if isinstance(module, QuantLinear):
             self._held.append((module, "parts", module.parts))
-            weight = module.parts[0]
-            bias = None if module.bias is None else module.bias.detach()
-            if module.kernel is int8_gemm:
+            return self._quantized(module.parts, None if module.bias is None else module.bias.detach(), module.kernel)
+        raise _NotServed(f"a {type(module).__name__} linear")
+
+    def _quantized(self, parts: list, bias: torch.Tensor | None, kernel):
+        """The plan's projection for weights kept quantized (a QuantLinear's or an expert's), calling
+        what `kernel` calls for the plan's rows."""
+        ops = self.ops
+        if kernel in (int8_gemm, w8a8_gemm):
+            weight = parts[0]
+            if kernel is int8_gemm:
                 return ops.int8_gemm_linear(weight.data.view(torch.int8), weight.scale, bias, weight.rows)
             return ops.w8a8_linear(weight.data, weight.scale, bias, weight.rows)
         # Int8Rows: the rows serve the plan's few rows, as they serve the module's.
-        if isinstance(module, QuantLinear) and (module.kernel is quant_matmul or isinstance(module.kernel, Int8Rows)):
-            self._held.append((module, "parts", module.parts))
-            parts = module.parts
-            bias = None if module.bias is None else module.bias.detach()
+        if kernel is quant_matmul or isinstance(kernel, Int8Rows):
             return ops.quant_linear([p.data for p in parts], [p.type_id for p in parts], [p.scale for p in parts],
                                     bias, TILE_ROWS)
-        raise _NotServed(f"a {type(module).__name__} linear")
+        raise _NotServed("quantized weights without a CPU kernel")

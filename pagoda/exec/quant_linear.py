@@ -40,7 +40,9 @@ from pagoda.exec.cpu_kernels import load_gemm_int8
 from pagoda.exec.cpu_kv_sizing import mem_total_bytes
 from pagoda.exec.cpu_linear import bucket_rows, gemm_kernel, pack_gemm
 from pagoda.model.loader import cpu_has_bf16
-from pagoda.model.quantized import QuantEmbedding, QuantizedTensor, QuantLinear, quantized_modules
+from pagoda.model.quantized import (
+    QuantEmbedding, QuantExperts, QuantizedTensor, QuantLinear, module_tensors, quantized_modules,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,23 +136,35 @@ def to_w8a8(weight: QuantizedTensor) -> QuantizedTensor:
 
 
 class Int8Rows:
-    """The kernel of an int8 weight held in two orders: its rows (the module's part) for the
-    few-rows integer path, `copy` for `gemm` (w8a8_gemm or int8_gemm) above FUSED_ROWS."""
+    """The kernel of int8 weights held in two orders: their rows (the layer's parts) for the
+    few-rows integer path, a copy of each in `gemm`'s order (w8a8_gemm or int8_gemm) above FUSED_ROWS."""
 
-    def __init__(self, copy: QuantizedTensor, gemm) -> None:
-        self.copy = copy
+    def __init__(self, copies: dict[int, QuantizedTensor], gemm) -> None:
+        self.copies = copies  # id(part) -> its copy; the layer holds the parts, so the ids stay theirs
         self.gemm = gemm
 
+    @classmethod
+    def of(cls, module: nn.Module, to_copy, gemm) -> "Int8Rows":
+        return cls({id(p): to_copy(p) for p in module_tensors(module)}, gemm)
+
     def __call__(self, x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
-        return quant_matmul(x, weight) if x.shape[0] <= FUSED_ROWS else self.gemm(x, self.copy)
+        return quant_matmul(x, weight) if x.shape[0] <= FUSED_ROWS else self.gemm(x, self.copies[id(weight)])
 
 
-def _int8_only(module: QuantLinear) -> bool:
-    return len(module.parts) == 1 and module.parts[0].qtype == "int8"
+def _int8_widths(module: nn.Module) -> list[int] | None:
+    """The row lengths of a layer whose weights are all int8 rows (one part for a linear); else None."""
+    parts = module_tensors(module)
+    if isinstance(module, QuantLinear) and len(parts) != 1:
+        return None
+    if not isinstance(module, (QuantLinear, QuantExperts)) or not all(p.qtype == "int8" for p in parts):
+        return None
+    return [p.cols for p in parts]
 
 
-def _int8_gemm_serves(module: QuantLinear, dtype: torch.dtype | None) -> bool:
-    return dtype == torch.bfloat16 and gemm_kernel() is not None and module.in_features % 2 == 0 and _int8_only(module)
+def _int8_gemm_serves(module: nn.Module, dtype: torch.dtype | None) -> bool:
+    widths = _int8_widths(module)
+    return (dtype == torch.bfloat16 and gemm_kernel() is not None and widths is not None
+            and all(w % 2 == 0 for w in widths))
 
 
 def w8a8_kernel() -> ModuleType | None:
@@ -161,9 +175,19 @@ def w8a8_kernel() -> ModuleType | None:
     return ops if ops is not None and ops.has_vnni() else None
 
 
-def _w8a8_serves(module: QuantLinear, dtype: torch.dtype | None) -> bool:
-    return (dtype in (torch.float32, torch.bfloat16) and module.in_features % 32 == 0 and _int8_only(module)
+def _w8a8_serves(module: nn.Module, dtype: torch.dtype | None) -> bool:
+    widths = _int8_widths(module)
+    return (dtype in (torch.float32, torch.bfloat16) and widths is not None and all(w % 32 == 0 for w in widths)
             and w8a8_kernel() is not None)
+
+
+def _reorder(module: nn.Module, to_copy) -> None:
+    """The layer's int8 parts replaced by their copies in a GEMM's order (one order for every row count)."""
+    if isinstance(module, QuantExperts):
+        module.w13 = [[to_copy(p) for p in parts] for parts in module.w13]
+        module.w2 = [to_copy(p) for p in module.w2]
+    else:
+        module.parts = [to_copy(p) for p in module.parts]
 
 
 def _install_gpu_kernels(model: nn.Module, device: torch.device, count: int) -> int:
@@ -193,6 +217,9 @@ def move_quantized(model: nn.Module, device: torch.device) -> None:
     for module in quantized_modules(model):
         if isinstance(module, QuantLinear):
             module.parts = [on_device(p) for p in module.parts]
+        elif isinstance(module, QuantExperts):
+            module.w13 = [[on_device(p) for p in parts] for parts in module.w13]
+            module.w2 = [on_device(p) for p in module.w2]
         else:
             module.weight_q = on_device(module.weight_q)
 
@@ -215,25 +242,22 @@ def install_quant_kernels(model: nn.Module, device: torch.device) -> int:
         logger.warning("quantized matmul kernels unavailable: %d quantized layers dequantize on every call", len(modules))
         return 0
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)  # the activations'
-    linears = [m for m in modules if isinstance(m, QuantLinear)]
-    w8a8 = {id(m) for m in linears if _w8a8_serves(m, dtype)}
-    gemm = {id(m) for m in linears if _int8_gemm_serves(m, dtype)}
-    gemm -= w8a8
-    second = sum(m.parts[0].nbytes for m in linears if id(m) in w8a8 | gemm)  # Int8Rows' second copy
+    w8a8 = {id(m) for m in modules if _w8a8_serves(m, dtype)}
+    gemm = {id(m) for m in modules if _int8_gemm_serves(m, dtype)} - w8a8
+    # Int8Rows' second copies (an MoE's experts among them: a token's expert sees few rows, a
+    # batch's many, and the GEMM serves the latter ~4x faster than dequantizing the expert)
+    second = sum(t.nbytes for m in modules if id(m) in w8a8 | gemm for t in module_tensors(m))
     memory = mem_total_bytes()
     keep_rows = memory is not None and second <= memory // 8
     for module in modules:
-        if id(module) in w8a8 and keep_rows:
-            module.kernel = Int8Rows(to_w8a8(module.parts[0]), w8a8_gemm)
-        elif id(module) in w8a8:  # one copy for every row count
-            module.parts = [to_w8a8(module.parts[0])]
-            module.kernel = w8a8_gemm
-        elif id(module) in gemm and keep_rows:
-            module.kernel = Int8Rows(to_tasks(module.parts[0]), int8_gemm)
-        elif id(module) in gemm:
-            module.parts = [to_tasks(module.parts[0])]
-            module.kernel = int8_gemm
-        elif isinstance(module, QuantLinear):
+        if id(module) in w8a8 | gemm:
+            to_copy, kernel = (to_w8a8, w8a8_gemm) if id(module) in w8a8 else (to_tasks, int8_gemm)
+            if keep_rows:
+                module.kernel = Int8Rows.of(module, to_copy, kernel)
+            else:  # one copy for every row count
+                _reorder(module, to_copy)
+                module.kernel = kernel
+        elif isinstance(module, (QuantLinear, QuantExperts)):  # an expert's few rows read its packed bytes once
             module.kernel = quant_matmul
         elif isinstance(module, QuantEmbedding):
             module.gather = quant_gather

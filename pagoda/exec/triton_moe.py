@@ -105,10 +105,11 @@ def triton_fused_experts(x: torch.Tensor, experts: StackedExperts, weights: torc
 
 
 def use_triton_experts(model: torch.nn.Module) -> int:
-    """Route every FusedMoE of `model` through the Triton grouped GEMM; returns how many."""
+    """Route every FusedMoE of `model` through the Triton grouped GEMM (not those whose experts are
+    kept quantized: their kernels are triton_quant's); returns how many."""
     from pagoda.model.moe import FusedMoE
 
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.packed_experts is None]
     for layer in layers:
         layer.experts_kernel = triton_fused_experts
     return len(layers)

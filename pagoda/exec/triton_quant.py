@@ -26,7 +26,8 @@ import triton.language as tl
 from torch import nn
 
 from pagoda.model.quantized import (
-    GGUF_KERNEL_TYPES, INT8_TYPE_ID, QuantEmbedding, QuantizedTensor, QuantLinear, e4m3_rows, quantized_modules,
+    GGUF_KERNEL_TYPES, INT8_TYPE_ID, QuantEmbedding, QuantExperts, QuantizedTensor, QuantLinear, e4m3_rows,
+    quantized_modules,
 )
 
 # Up to this many rows the fused kernel serves (a decode step's batch); above, dequantize + cuBLAS.
@@ -239,7 +240,7 @@ def install_gpu_quant_kernels(model: nn.Module) -> int:
     kernels; returns how many layers."""
     modules = quantized_modules(model)
     for module in modules:
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (QuantLinear, QuantExperts)):
             module.kernel = _by_format
         else:
             assert isinstance(module, QuantEmbedding)

@@ -297,13 +297,14 @@ def gguf_tensors(reader, path: Path, config, dtype: torch.dtype,
 
 
 def _packed(t, kind: str, shape: tuple[int, ...], arch: str, config) -> QuantizedTensor:
-    """A 2-D tensor's blocks as they lie in the file, rows in Hugging Face order (a copy, so the
-    file's pages need not stay resident)."""
-    rows = np.asarray(t.data).reshape(shape[0], -1)
+    """A tensor's blocks as they lie in the file, rows in Hugging Face order (a copy, so the file's
+    pages need not stay resident). A 3-D one (an MoE's `ffn_*_exps`, [E, rows, cols]) comes as its
+    experts' rows one after another."""
+    rows = np.asarray(t.data).reshape(int(np.prod(shape[:-1])), -1)
     if arch in ("llama", "mistral"):
         if t.name.endswith("attn_q.weight"):
             rows = _unpermute_rotary(rows, config.num_attention_heads)
         elif t.name.endswith("attn_k.weight"):
             rows = _unpermute_rotary(rows, config.num_key_value_heads)
     data = torch.from_numpy(np.array(rows, dtype=np.uint8, copy=True))
-    return QuantizedTensor(kind, shape[0], shape[1], data)
+    return QuantizedTensor(kind, rows.shape[0], shape[-1], data)

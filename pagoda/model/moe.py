@@ -113,6 +113,7 @@ class FusedMoE(nn.Module):
         # another kernel over the stacked weights (a Triton grouped GEMM on CUDA, exec/triton_moe.py).
         self.packed_experts = None
         self.experts_kernel = fused_experts
+        self.packed_at_load = False  # the loader gives the experts as packed blocks, not into w13/w2
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the routed experts' output (summed over the ranks by the caller)."""
@@ -193,7 +194,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         super().load_weights(self._divert_experts(weights, loaded, source), source)
         missing = [
             f"model.layers.{layer}.mlp.experts.{e}.{part}"
-            for layer in range(self.model.first_layer, self.model.end_layer) if self.spec.is_sparse(layer)
+            for layer in range(self.model.first_layer, self.model.end_layer)
+            if self.spec.is_sparse(layer) and not self.model.layers[layer].mlp.packed_at_load
             for e in range(*expert_range(self.spec.num_experts, self.tp)) for part in ("gate", "up", "down")
             if (layer, e, part) not in loaded
         ]

@@ -1,11 +1,12 @@
 """Loading a model whose weights stay quantized in memory (`--quantization`, vLLM's flag).
 
-`gguf`: a GGUF's linear and embedding weights in a format with kernels (quantized.GGUF_KERNEL_TYPES)
-are kept as the file's blocks, never dequantized, so resident weight memory is about the file's
-size; norms and any float tensors load as usual. `int8` (and `fp8`, e4m3 on a GPU): any model's
-linears (not the embedding or the LM head) become int8 (fp8) with one float32 scale per output
-channel, computed at load. The execution layer gives each format its kernels (CPU: C++; CUDA: Triton
-and torch._scaled_mm).
+`gguf`: a GGUF's linear, embedding and MoE expert weights in a format with kernels
+(quantized.GGUF_KERNEL_TYPES) are kept as the file's blocks, never dequantized, so resident weight
+memory is about the file's size; norms, routers and any float tensors load as usual. `int8` (and
+`fp8`, e4m3 on a GPU): any model's linears and experts (not the embedding, the LM head or an MoE's
+router; a width not a multiple of 32 under int8) become int8 (fp8) with one float32 scale per
+output channel, computed at load. The execution layer gives each format its kernels (CPU: C++;
+CUDA: Triton and torch._scaled_mm).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from torch import nn
 
 from pagoda.model.errors import ModelLoadError
 from pagoda.model.mmap_weights import release_pages
+from pagoda.model.moe import FusedMoE, is_moe
 from pagoda.model.quantized import (
-    GGUF_KERNEL_TYPES, QUANTIZATIONS, QuantEmbedding, QuantizedTensor, QuantLinear, quantize_fp8, quantize_int8,
+    BLOCK_LAYOUT, GGUF_KERNEL_TYPES, QUANTIZATIONS, QuantEmbedding, QuantExperts, QuantizedTensor, QuantLinear, quantize_fp8,
+    quantize_int8,
 )
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,14 @@ _LAYER_TARGETS = {
     "attn_v": ("self_attn.qkv_proj", 2, 3), "attn_output": ("self_attn.o_proj", 0, 1),
     "ffn_gate": ("mlp.gate_up_proj", 0, 2), "ffn_up": ("mlp.gate_up_proj", 1, 2),
     "ffn_down": ("mlp.down_proj", 0, 1),
+    "ffn_gate_shexp": ("mlp.shared_expert.gate_up_proj", 0, 2),
+    "ffn_up_shexp": ("mlp.shared_expert.gate_up_proj", 1, 2),
+    "ffn_down_shexp": ("mlp.shared_expert.down_proj", 0, 1),
 }
+# An MoE layer's experts, stacked over the experts in 3-D tensors: all three go to the FusedMoE.
+_EXPERT_TARGETS = {"ffn_gate_exps": ("mlp", 0, 3), "ffn_up_exps": ("mlp", 1, 3), "ffn_down_exps": ("mlp", 2, 3)}
+# An MoE's routers stay in float: a rounded router score would move tokens between experts.
+_ROUTERS = ("gate", "shared_expert_gate")
 _TOP_TARGETS = {"token_embd": ("model.embed_tokens", 0, 1), "output": ("lm_head", 0, 1)}
 
 
@@ -59,11 +69,14 @@ def check_quantization(quantization: str | None, device: torch.device, source_is
         raise ModelLoadError(f"quantization {quantization} runs on one rank only so far (tensor/pipeline parallel size 1)")
 
 
-def _target(gguf_name: str) -> tuple[str, int, int] | None:
+def _target(gguf_name: str, ndim: int) -> tuple[str, int, int] | None:
+    targets = _LAYER_TARGETS if ndim == 2 else _EXPERT_TARGETS if ndim == 3 else {}
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if m and m.group(2) in _LAYER_TARGETS:
-        module, shard, shards = _LAYER_TARGETS[m.group(2)]
+    if m and m.group(2) in targets:
+        module, shard, shards = targets[m.group(2)]
         return f"model.layers.{m.group(1)}.{module}", shard, shards
+    if ndim != 2:
+        return None
     m = re.fullmatch(r"(\w+)\.weight", gguf_name)
     if m and m.group(1) in _TOP_TARGETS:
         return _TOP_TARGETS[m.group(1)]
@@ -76,8 +89,8 @@ def gguf_kept_tensors(reader, path) -> dict[str, tuple[str, int, int]]:
     groups: dict[str, list[tuple[str, str]]] = {}
     targets: dict[str, tuple[str, int, int]] = {}
     for t in reader.tensors:
-        target = _target(t.name)
-        if target is None or len(t.shape) != 2:
+        target = _target(t.name, len(t.shape))
+        if target is None:
             continue
         kind = t.tensor_type.name
         if kind not in GGUF_KERNEL_TYPES and kind not in _FLOAT_TYPES:
@@ -100,6 +113,12 @@ def replace_gguf_modules(net: nn.Module, kept: dict[str, tuple[str, int, int]], 
         parent_path, _, attr = module_path.rpartition(".")
         parent = net.get_submodule(parent_path) if parent_path else net
         old = getattr(parent, attr)
+        if isinstance(old, FusedMoE):
+            # No float experts will be loaded: they need no storage (install_packed sets them).
+            old.packed_at_load = True
+            old.w13_weight = nn.Parameter(old.w13_weight.new_empty(0, *old.w13_weight.shape[1:]), requires_grad=False)
+            old.w2_weight = nn.Parameter(old.w2_weight.new_empty(0, *old.w2_weight.shape[1:]), requires_grad=False)
+            continue
         if isinstance(old, nn.Embedding):
             new = QuantEmbedding(old.num_embeddings, old.embedding_dim, dtype)
         elif isinstance(old, nn.Linear):
@@ -137,6 +156,8 @@ def install_packed(net: nn.Module, kept: dict[str, tuple[str, int, int]], pendin
         try:
             if isinstance(module, QuantEmbedding):
                 module.weight_q = parts[0]
+            elif isinstance(module, FusedMoE):
+                module.packed_experts = _stacked_experts(module, parts)
             else:
                 module.set_parts(parts)
         except ValueError as exc:
@@ -144,6 +165,16 @@ def install_packed(net: nn.Module, kept: dict[str, tuple[str, int, int]], pendin
     embed = getattr(net.model, "embed_tokens", None)
     if isinstance(embed, QuantEmbedding) and isinstance(net.lm_head, QuantLinear) and not net.lm_head.parts:
         net.lm_head.set_parts([embed.weight_q])
+
+
+def _stacked_experts(layer: FusedMoE, parts: list[QuantizedTensor]) -> QuantExperts:
+    gate, up, down = parts
+    experts, inter, hidden = layer.num_experts, layer.inter_count, layer.gate.in_features
+    want = [(experts * inter, hidden)] * 2 + [(experts * hidden, inter)]
+    got = [(p.rows, p.cols) for p in parts]
+    if got != want:
+        raise ValueError(f"expert tensors (gate, up, down) are {got}, expected {want} (rows, columns)")
+    return QuantExperts.from_stacked(gate, up, down, experts)
 
 
 def release_file_pages(reader) -> None:
@@ -158,14 +189,21 @@ def release_file_pages(reader) -> None:
                 pass
 
 
+def _fits(quantize, *widths: int) -> bool:
+    """int8 rows are read in blocks of 32 values (BLOCK_LAYOUT): a weight of another width stays float."""
+    return quantize is not quantize_int8 or all(w % BLOCK_LAYOUT["int8"][0] == 0 for w in widths)
+
+
 def quantize_linears(net: nn.Module, quantize=quantize_int8) -> int:
-    """Replace every nn.Linear but the LM head with a QuantLinear of `quantize(weight)` (int8 or
-    fp8); returns how many."""
+    """Replace every nn.Linear but the LM head and MoE routers with a QuantLinear of
+    `quantize(weight)` (int8 or fp8), and every MoE layer's experts with QuantExperts of theirs;
+    returns how many linears."""
     targets = [
         (parent, name, child)
         for parent in net.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and name != "lm_head"
+        if type(child) is nn.Linear and name != "lm_head" and not (isinstance(parent, FusedMoE) and name in _ROUTERS)
+        and _fits(quantize, child.in_features)
     ]
     dropped = []
     for parent, name, child in targets:
@@ -174,6 +212,13 @@ def quantize_linears(net: nn.Module, quantize=quantize_int8) -> int:
         new.bias = child.bias
         setattr(parent, name, new)
         dropped.append(child.weight)
+    moe = [m for m in net.modules() if isinstance(m, FusedMoE) and m.packed_experts is None
+           and _fits(quantize, m.w13_weight.shape[2], m.w2_weight.shape[2])]
+    for layer in moe:
+        w13, w2 = layer.w13_weight.detach(), layer.w2_weight.detach()
+        layer.packed_experts = QuantExperts([[quantize(w)] for w in w13], [quantize(w) for w in w2])
+        dropped += [w13, w2]
+        layer.w13_weight.data, layer.w2_weight.data = w13.new_empty(0, *w13.shape[1:]), w2.new_empty(0, *w2.shape[1:])
     release_pages(dropped)  # weights mapped from the load cache would otherwise stay resident
     return len(targets)
 
@@ -189,7 +234,7 @@ def load_packed_gguf(net: nn.Module, path, config, dtype: torch.dtype, device: t
     net = net.to_empty(device=device)
     materialize(net, device)
     pending: dict[str, dict[int, QuantizedTensor]] = {}
-    by_hf_name = {_hf_name(name): name for name in kept}
+    by_hf_name = {_hf_name(name, moe=is_moe(config)): name for name in kept}
     weights = gguf_tensors(reader, path, config, dtype, keep_quantized=frozenset(kept))
     with torch.no_grad():
         net.load_weights(divert_quantized(weights, kept, by_hf_name, pending), source=str(path))

@@ -2,7 +2,8 @@
 
 A `QuantizedTensor` is a weight matrix in one of the block formats the CPU kernels read (GGUF's
 Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K as they lie in the file, or int8 or fp8 (e4m3) rows with a
-float32 scale per output channel). `QuantLinear` and `QuantEmbedding` stand in for nn.Linear and nn.Embedding. Their
+float32 scale per output channel). `QuantLinear` and `QuantEmbedding` stand in for nn.Linear and
+nn.Embedding, `QuantExperts` for an MoE layer's stacked experts (fused_moe.StackedExperts). Their
 matmul and row lookup are supplied by the execution layer (`exec/quant_linear.py` sets `kernel`),
 which picks the kernel by the weight's format and the device; without one they fall back to
 dequantizing the whole matrix on every call (correct, slow: only for builds without the C++ kernels).
@@ -79,6 +80,12 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     scale = None if first.scale is None else torch.cat([p.scale for p in parts])
     data = torch.cat([p.data for p in parts])
     return QuantizedTensor(first.qtype, sum(p.rows for p in parts), first.cols, data, scale)
+
+
+def row_slice(weight: QuantizedTensor, start: int, count: int) -> QuantizedTensor:
+    """Rows [start, start + count) of a row-layout tensor, sharing its storage."""
+    scale = None if weight.scale is None else weight.scale[start : start + count]
+    return QuantizedTensor(weight.qtype, count, weight.cols, weight.data[start : start + count], scale)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
@@ -176,16 +183,63 @@ class QuantEmbedding(nn.Module):
         return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
+class QuantExperts(nn.Module):
+    """An MoE layer's experts held quantized, with fused_moe.StackedExperts' members: per expert its
+    gate-up weight [2I, H] (gate rows, then up rows; two parts where the file gave them in two
+    formats) and its down weight [H, I]. `kernel` as QuantLinear's. A module, so that the execution
+    layer finds it among the model's quantized layers."""
+
+    def __init__(self, gate_up: list[list[QuantizedTensor]], down: list[QuantizedTensor]) -> None:
+        super().__init__()
+        self.w13, self.w2 = gate_up, down
+        self.num_experts, self.inter = len(down), down[0].cols
+        self.kernel: MatmulKernel | None = None
+
+    @classmethod
+    def from_stacked(cls, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
+                     num_experts: int) -> "QuantExperts":
+        """From [E * I, H] gate and up and [E * H, I] down tensors, experts one after another (a
+        GGUF's `ffn_*_exps`): each expert's rows are views into them."""
+        inter, hidden = gate.rows // num_experts, down.rows // num_experts
+        gate_up, downs = [], []
+        for e in range(num_experts):
+            g, u = row_slice(gate, e * inter, inter), row_slice(up, e * inter, inter)
+            gate_up.append([concat_rows([g, u])] if g.qtype == u.qtype else [g, u])
+            downs.append(row_slice(down, e * hidden, hidden))
+        return cls(gate_up, downs)
+
+    def tensors(self) -> list[QuantizedTensor]:
+        return [t for parts in self.w13 for t in parts] + self.w2
+
+    def gate_up(self, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        kernel = self.kernel or reference_matmul
+        col = 0
+        for part in self.w13[expert]:
+            out[:, col : col + part.rows] = kernel(rows, part)
+            col += part.rows
+
+    def down(self, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_((self.kernel or reference_matmul)(rows, self.w2[expert]))
+
+
 def quantized_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    return [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding, QuantExperts))]
+
+
+def module_tensors(module: nn.Module) -> list[QuantizedTensor]:
+    """The packed tensors a quantized layer holds."""
+    if isinstance(module, QuantLinear):
+        return module.parts
+    if isinstance(module, QuantExperts):
+        return module.tensors()
+    return [] if module.weight_q is None else [module.weight_q]
 
 
 def quantized_bytes(model: nn.Module) -> int:
     """Bytes of the packed weights, each tensor once (a tied head shares the embedding's)."""
     seen: dict[int, int] = {}
     for module in quantized_modules(model):
-        tensors = module.parts if isinstance(module, QuantLinear) else [module.weight_q]
-        for t in tensors:
+        for t in module_tensors(module):
             if t is not None:
                 seen[t.data.data_ptr()] = t.nbytes
     return sum(seen.values())

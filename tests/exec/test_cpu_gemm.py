@@ -170,8 +170,9 @@ def test_int8_layers_keep_their_rows_for_few_rows_while_memory_allows(monkeypatc
     install_quant_kernels(kept, torch.device("cpu"))
     layer = kept[1]
     assert isinstance(layer.kernel, Int8Rows) and layer.kernel.gemm is int8_gemm and layer.parts[0].layout == "rows"
+    (copy,) = layer.kernel.copies.values()
     calls = []
-    monkeypatch.setattr(quant_linear, "quant_matmul", lambda x, w: calls.append(("rows", x.shape[0])) or int8_gemm(x, layer.kernel.copy))
+    monkeypatch.setattr(quant_linear, "quant_matmul", lambda x, w: calls.append(("rows", x.shape[0])) or int8_gemm(x, copy))
     monkeypatch.setattr(layer.kernel, "gemm", lambda x, w: calls.append(("tasks", x.shape[0])) or torch.zeros(x.shape[0], 100, dtype=x.dtype))
     for rows in (1, FUSED_ROWS, FUSED_ROWS + 1):
         layer(torch.zeros(rows, 64, dtype=torch.bfloat16))

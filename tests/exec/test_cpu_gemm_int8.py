@@ -133,10 +133,11 @@ def test_int8_layers_take_w8a8_above_the_few_rows_while_memory_allows(monkeypatc
     net = _model(dtype)
     install_quant_kernels(net, torch.device("cpu"))
     layer = net[1]
-    assert isinstance(layer.kernel, Int8Rows) and layer.kernel.gemm is w8a8_gemm and layer.kernel.copy.layout == "w8a8"
-    assert layer.parts[0].layout == "rows"
+    assert isinstance(layer.kernel, Int8Rows) and layer.kernel.gemm is w8a8_gemm
+    (copy,) = layer.kernel.copies.values()
+    assert copy.layout == "w8a8" and layer.parts[0].layout == "rows"
     calls = []
-    monkeypatch.setattr(quant_linear, "quant_matmul", lambda x, w: calls.append(("rows", x.shape[0])) or w8a8_gemm(x, layer.kernel.copy))
+    monkeypatch.setattr(quant_linear, "quant_matmul", lambda x, w: calls.append(("rows", x.shape[0])) or w8a8_gemm(x, copy))
     monkeypatch.setattr(layer.kernel, "gemm", lambda x, w: calls.append(("w8a8", x.shape[0])) or w8a8_gemm(x, w))
     for rows in (1, FUSED_ROWS, FUSED_ROWS + 1):
         assert layer(torch.zeros(rows, 64, dtype=dtype)).dtype == dtype

@@ -2,7 +2,7 @@
 every kind of linear it serves, is used for exactly the pure-decode steps and the steps of one prompt
 with no cached prefix (of up to QUANT_MAX_ROWS rows with quantized weights),
 follows weights replaced under it (a weight update, sleep and wake), serves MoE layers whose experts
-run on the grouped bf16 kernel, and stands aside for the models it does not serve."""
+run on the grouped bf16 kernel or are kept quantized, and stands aside for the models it does not serve."""
 
 from __future__ import annotations
 
@@ -112,6 +112,29 @@ def test_fused_step_equals_the_modules_with_quantized_weights(tmp_path, monkeypa
     _assert_fused_equals_modules(int8(), monkeypatch, quantized=True)
     monkeypatch.setattr(quant_linear, "mem_total_bytes", lambda: 1)
     _assert_fused_equals_modules(int8(), monkeypatch, quantized=gemm_kernel() is None)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_fused_step_equals_the_modules_with_quantized_experts(tmp_path, monkeypatch, arch):
+    """Experts kept quantized (model/quantized.QuantExperts): a GGUF's blocks (gate and up in two
+    formats), int8 experts on the rows beside the W8A8 copy, and the W8A8 order alone (memory short:
+    every row count fused)."""
+    pytest.importorskip("gguf")
+    from tests.model.test_moe_gguf import GGUF_ARCH, write_moe_gguf
+
+    hf = save_tiny_model(arch, tmp_path / "hf", **({"mlp_only_layers": []} if arch == "qwen3_moe" else {}))
+    path = tmp_path / "moe.gguf"
+    write_moe_gguf(hf, path, GGUF_ARCH[arch], "Q8_0", {"ffn_up_exps": "Q4_0"})
+    _assert_fused_equals_modules(lambda: load_model(str(path), dtype="float32", quantization="gguf"), monkeypatch,
+                                 quantized=True)
+
+    def int8():
+        return load_model(str(tmp_path / "hf"), dtype="float32", quantization="int8")
+
+    _assert_fused_equals_modules(int8, monkeypatch, quantized=True)
+    if quant_linear.w8a8_kernel() is not None:
+        monkeypatch.setattr(quant_linear, "mem_total_bytes", lambda: 1)
+        _assert_fused_equals_modules(int8, monkeypatch, quantized=False)
 
 
 def test_fused_step_follows_weights_replaced_under_it(tmp_path, monkeypatch):

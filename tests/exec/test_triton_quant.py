@@ -194,3 +194,36 @@ def test_a_packed_gguf_model_on_the_kernels_gives_the_dequantized_logits(tmp_pat
     move_quantized(model, DEVICE)
     assert tq.install_gpu_quant_kernels(model) == 4 + 2  # qkv, o, gate_up, down; the embedding, the head
     torch.testing.assert_close(logits(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_moe_experts_on_the_kernels_give_the_dequantized_logits(tmp_path):
+    """An MoE GGUF's experts kept as blocks (model/quantized.QuantExperts, gate and up in two formats)
+    on these kernels, expert by expert: the logits of the same model dequantizing on every call."""
+    pytest.importorskip("gguf")
+    from pagoda.model.loader import load_model
+    from pagoda.model.quantized import QuantExperts
+    from tests.model.test_moe_gguf import PROMPTS, _logits, write_moe_gguf
+    from tests.tiny_models import save_tiny_model
+
+    hf = save_tiny_model("mixtral", tmp_path / "hf", num_hidden_layers=1)
+    path = tmp_path / "mixtral.gguf"
+    write_moe_gguf(hf, path, "llama", "Q8_0", {"ffn_up_exps": "Q4_0"})
+    model = load_model(str(path), dtype="float32", quantization="gguf").model
+    want = _logits(model, PROMPTS[0])  # no kernels installed: reference_matmul over dequantize()
+    model.to(DEVICE)
+    move_quantized(model, DEVICE)
+    assert tq.install_gpu_quant_kernels(model) == 4 + 1  # qkv, o, the experts; the embedding, the head
+    experts = model.model.layers[0].mlp.packed_experts
+    assert isinstance(experts, QuantExperts) and experts.w2[0].data.device.type == DEVICE.type
+    with torch.no_grad():
+        ids = torch.tensor(PROMPTS[0], device=DEVICE)
+        got = _logits_on(model, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _logits_on(model, ids: torch.Tensor) -> torch.Tensor:
+    from pagoda.model.attention import AttentionContext, ContiguousKVBackend, ContiguousMetadata
+
+    ctx = AttentionContext(ContiguousKVBackend(), ContiguousMetadata([0], [len(ids)]))
+    positions = torch.arange(len(ids), device=ids.device)
+    return model.compute_logits(model(ids, positions, ctx)).cpu()

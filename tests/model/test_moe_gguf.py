@@ -24,8 +24,10 @@ def _permute_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_moe_gguf(hf_model, path, gguf_arch: str, qtype_name: str = "F32") -> None:
-    """What llama.cpp's converter writes for these models: experts stacked per projection."""
+def write_moe_gguf(hf_model, path, gguf_arch: str, qtype_name: str = "F32",
+                   types: dict[str, str] | None = None) -> None:
+    """What llama.cpp's converter writes for these models: experts stacked per projection. `types`:
+    another type than `qtype_name` for some tensors, by GGUF name without the layer (`ffn_up_exps`)."""
     import gguf
     from gguf.quants import quantize
 
@@ -83,8 +85,9 @@ def write_moe_gguf(hf_model, path, gguf_arch: str, qtype_name: str = "F32") -> N
             tensors[f"blk.{layer}.{_MLP[parts[4]]}.weight"] = a
     for gname, a in tensors.items():
         big = a.ndim >= 2 and a.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gname
-        if qtype_name != "F32" and big:
-            qtype = gguf.GGMLQuantizationType[qtype_name]
+        kind = (types or {}).get(gname.split(".")[-2], qtype_name)
+        if kind != "F32" and big:
+            qtype = gguf.GGMLQuantizationType[kind]
             w.add_tensor(gname, quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, a)

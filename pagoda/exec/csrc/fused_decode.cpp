@@ -82,11 +82,13 @@ struct Linear {
 };
 
 // An MoE layer's routed experts in place of the dense MLP: the router, then the grouped kernel
-// (exec/csrc/moe_experts.cpp) over its packed experts, as FusedMoE.routed calls them.
+// (exec/csrc/moe_experts.cpp) over its packed experts, as FusedMoE.routed calls them; or, for
+// experts kept quantized (model/quantized.QuantExperts), a projection per expert (`gate_up`, `down`).
 struct Experts {
   bool present = false;
   Linear router;
   torch::Tensor w13, w2;
+  std::vector<Linear> gate_up, down;
   int64_t top_k = 0, expert_start = 0;
   bool renormalize = false;
 };
@@ -190,6 +192,24 @@ class DecodePlan {
     e.top_k = top_k, e.renormalize = renormalize, e.expert_start = expert_start;
   }
 
+  // An MoE layer whose experts are kept quantized: each expert's gate-up and down projections.
+  void set_quantized_experts(Linear router, std::vector<Linear> gate_up, std::vector<Linear> down, int64_t top_k,
+                             bool renormalize) {
+    TORCH_CHECK(!layers_.empty() && !gate_up.empty() && gate_up.size() == down.size(), "fused decode: experts");
+    TORCH_CHECK(router.kind != 1 || k_.gemm_bf16, "fused decode: a bf16 GEMM router without its kernel");
+    for (const std::vector<Linear>* ls : {&gate_up, &down})
+      for (const Linear& l : *ls) {
+        TORCH_CHECK(l.kind >= 2 && (l.kind != 2 || k_.quant_matmul) && (l.kind != 3 || k_.gemm_i8_bf16) &&
+                        (l.kind != 4 || k_.gemm_int8), "fused decode: a quantized expert without its kernel");
+        quantized_ = quantized_ || l.kind == 2;
+      }
+    Experts& e = layers_.back().experts;
+    e.present = true;
+    e.router = std::move(router);
+    e.gate_up = std::move(gate_up), e.down = std::move(down);
+    e.top_k = top_k, e.renormalize = renormalize, e.expert_start = 0;
+  }
+
   // h: the embeddings [M, H]; each row a sequence's next token, or (`prompt`) the rows one prompt's
   // tokens with no earlier context. Returns (the last layer's output, the residual stream), which
   // the model's final norm adds and normalises, as LlamaModel.forward does after its layers.
@@ -241,7 +261,39 @@ class DecodePlan {
     const torch::Tensor probs = at::softmax(linear(h, e.router), -1, torch::kFloat32);
     auto [weights, ids] = at::topk(probs, e.top_k, -1);
     if (e.renormalize) weights = weights / weights.sum(-1, true);
+    if (!e.gate_up.empty()) return per_expert(h, e, weights, ids);
     return k_.moe_experts(h.contiguous(), ids.contiguous(), weights.contiguous(), e.w13, e.w2, e.expert_start);
+  }
+
+  // fused_moe.fused_experts with its ATen calls (one rank, all experts its own): the (token,
+  // expert) pairs sorted by expert, each expert's run of rows through its projections.
+  torch::Tensor per_expert(const torch::Tensor& h, const Experts& e, const torch::Tensor& weights,
+                           const torch::Tensor& ids) const {
+    const int64_t experts = static_cast<int64_t>(e.gate_up.size());
+    const torch::Tensor local = ids.reshape(-1);
+    const torch::Tensor order = at::argsort(local, true);
+    const torch::Tensor counts = at::bincount(local, {}, experts).cpu();
+    const int64_t* count = counts.data_ptr<int64_t>();
+    const int64_t rows = order.size(0);
+    const torch::Tensor tokens = at::floor_divide(order, e.top_k);
+    const torch::Tensor sorted_x = h.index_select(0, tokens);
+    torch::Tensor gate_up, down;
+    for (int pass = 0; pass < 2; ++pass) {
+      const torch::Tensor& in = pass == 0 ? sorted_x : gate_up;
+      torch::Tensor out;
+      for (int64_t x = 0, start = 0; x < experts; start += count[x], ++x) {
+        if (!count[x]) continue;
+        const torch::Tensor y = linear(in.narrow(0, start, count[x]), pass == 0 ? e.gate_up[x] : e.down[x]);
+        if (!out.defined()) out = h.new_empty({rows, y.size(1)});
+        out.narrow(0, start, count[x]).copy_(y);
+      }
+      if (pass == 0) gate_up = k_.silu_and_mul(out);
+      else down = out;
+    }
+    const torch::Tensor scale = weights.reshape(-1).index_select(0, order).unsqueeze(1);
+    if (h.scalar_type() == torch::kFloat32) down.mul_(scale);
+    else down = (down.to(torch::kFloat32) * scale).to(h.scalar_type());
+    return at::zeros_like(h).index_add_(0, tokens, down);
   }
 
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
@@ -322,6 +374,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodePlan::add_layer)
       .def("set_qk_norms", &DecodePlan::set_qk_norms)
       .def("set_experts", &DecodePlan::set_experts)
+      .def("set_quantized_experts", &DecodePlan::set_quantized_experts)
       .def("run", &DecodePlan::run)
       .def("num_layers", &DecodePlan::num_layers)
       .def("quantized", &DecodePlan::quantized);
