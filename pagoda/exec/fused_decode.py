@@ -47,9 +47,9 @@ from pagoda.exec.cpu_linear import PackedLinear, gemm_kernel
 from pagoda.exec.paged_attention import TorchPagedAttention
 from pagoda.exec.quant_linear import TILE_ROWS, Int8Rows, int8_gemm, load_quant_kernels, quant_matmul, w8a8_gemm
 from pagoda.model.cpu_layer_ops import FUSED_DTYPES, load_layer_ops
+from pagoda.model.fused_moe import fused_experts
 from pagoda.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pagoda.model.moe import FusedMoE
-from pagoda.model.fused_moe import fused_experts
 from pagoda.model.quantized import QuantExperts, QuantLinear
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from pagoda.exec.cpu_kv_sizing import mem_total_bytes
 from pagoda.exec.cpu_linear import bucket_rows, gemm_kernel, pack_gemm
 from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.quantized import (
-    QuantEmbedding, QuantExperts, QuantizedTensor, QuantLinear, module_tensors, quantized_modules,
+    QuantEmbedding, QuantExperts, QuantizedTensor, QuantLinear, map_tensors, module_tensors, quantized_modules,
 )
 
 logger = logging.getLogger(__name__)
@@ -181,15 +181,6 @@ def _w8a8_serves(module: nn.Module, dtype: torch.dtype | None) -> bool:
             and w8a8_kernel() is not None)
 
 
-def _reorder(module: nn.Module, to_copy) -> None:
-    """The layer's int8 parts replaced by their copies in a GEMM's order (one order for every row count)."""
-    if isinstance(module, QuantExperts):
-        module.w13 = [[to_copy(p) for p in parts] for parts in module.w13]
-        module.w2 = [to_copy(p) for p in module.w2]
-    else:
-        module.parts = [to_copy(p) for p in module.parts]
-
-
 def _install_gpu_kernels(model: nn.Module, device: torch.device, count: int) -> int:
     move_quantized(model, device)
     try:
@@ -215,13 +206,7 @@ def move_quantized(model: nn.Module, device: torch.device) -> None:
         return moved[id(weight)]
 
     for module in quantized_modules(model):
-        if isinstance(module, QuantLinear):
-            module.parts = [on_device(p) for p in module.parts]
-        elif isinstance(module, QuantExperts):
-            module.w13 = [[on_device(p) for p in parts] for parts in module.w13]
-            module.w2 = [on_device(p) for p in module.w2]
-        else:
-            module.weight_q = on_device(module.weight_q)
+        map_tensors(module, on_device)
 
 
 def quant_gather(weight: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
@@ -254,8 +239,8 @@ def install_quant_kernels(model: nn.Module, device: torch.device) -> int:
             to_copy, kernel = (to_w8a8, w8a8_gemm) if id(module) in w8a8 else (to_tasks, int8_gemm)
             if keep_rows:
                 module.kernel = Int8Rows.of(module, to_copy, kernel)
-            else:  # one copy for every row count
-                _reorder(module, to_copy)
+            else:  # one copy, in the GEMM's order, for every row count
+                map_tensors(module, to_copy)
                 module.kernel = kernel
         elif isinstance(module, (QuantLinear, QuantExperts)):  # an expert's few rows read its packed bytes once
             module.kernel = quant_matmul

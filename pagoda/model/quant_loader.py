@@ -23,8 +23,8 @@ from pagoda.model.errors import ModelLoadError
 from pagoda.model.mmap_weights import release_pages
 from pagoda.model.moe import FusedMoE, is_moe
 from pagoda.model.quantized import (
-    BLOCK_LAYOUT, GGUF_KERNEL_TYPES, QUANTIZATIONS, QuantEmbedding, QuantExperts, QuantizedTensor, QuantLinear, quantize_fp8,
-    quantize_int8,
+    BLOCK_LAYOUT, GGUF_KERNEL_TYPES, QUANTIZATIONS, QuantEmbedding, QuantExperts, QuantizedTensor, QuantLinear,
+    quantize_fp8, quantize_int8,
 )
 
 logger = logging.getLogger(__name__)

@@ -235,12 +235,22 @@ def module_tensors(module: nn.Module) -> list[QuantizedTensor]:
     return [] if module.weight_q is None else [module.weight_q]
 
 
+def map_tensors(module: nn.Module, fn) -> None:
+    """Replace each packed tensor a quantized layer holds by `fn(tensor)` (moved, or reordered)."""
+    if isinstance(module, QuantLinear):
+        module.parts = [fn(p) for p in module.parts]
+    elif isinstance(module, QuantExperts):
+        module.w13 = [[fn(p) for p in parts] for parts in module.w13]
+        module.w2 = [fn(p) for p in module.w2]
+    elif module.weight_q is not None:
+        module.weight_q = fn(module.weight_q)
+
+
 def quantized_bytes(model: nn.Module) -> int:
     """Bytes of the packed weights, each tensor once (a tied head shares the embedding's)."""
     seen: dict[int, int] = {}
     for module in quantized_modules(model):
         for t in module_tensors(module):
-            if t is not None:
-                seen[t.data.data_ptr()] = t.nbytes
+            seen[t.data.data_ptr()] = t.nbytes
     return sum(seen.values())
 
