@@ -13,6 +13,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace pagoda {
 
@@ -65,16 +68,27 @@ static inline float max_f32(const float* x, int64_t n, float init) {
   for (; i + kLanes <= n; i += kLanes)
     for (int64_t l = 0; l < kLanes; ++l) lane[l] = x[i + l] > lane[l] ? x[i + l] : lane[l];
   for (; i < n; ++i) lane[0] = x[i] > lane[0] ? x[i] : lane[0];
+#if defined(__AVX512F__)
+  // The same tree in registers (GCC leaves the loops below scalar, through the stack):
+  // maxps(a, b) is a > b ? a : b.
+  return _mm512_reduce_max_ps(_mm512_loadu_ps(lane));
+#else
   for (int64_t w = kLanes / 2; w > 0; w /= 2)
     for (int64_t l = 0; l < w; ++l) lane[l] = lane[l + w] > lane[l] ? lane[l + w] : lane[l];
   return lane[0];
+#endif
 }
 
 // Lane sums added up pairwise, in the same order whatever the vector width.
 static inline float combine_lanes(float* lane) {
+#if defined(__AVX512F__)
+  // The same tree in registers: halves of 256, 128, 64 and 32 bits added (GCC's reduction).
+  return _mm512_reduce_add_ps(_mm512_loadu_ps(lane));
+#else
   for (int64_t w = kLanes / 2; w > 0; w /= 2)
     for (int64_t l = 0; l < w; ++l) lane[l] += lane[l + w];
   return lane[0];
+#endif
 }
 
 // Whether x[0, n) holds no inf or NaN: x * 0 is 0 for a finite x and NaN otherwise (IEEE; a

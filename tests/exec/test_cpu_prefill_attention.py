@@ -36,6 +36,7 @@ def _fused_qkv(n: int, seq_len: int, hq: int, hkv: int, d: int, g: torch.Generat
         (1, 300, 9, 3, 64),
         (50, 110, 8, 2, 128),
         (100, 613, 6, 3, 48),
+        (40, 8192, 8, 4, 128),  # K and V packed a group of heads at a time (over 16 MiB for all four)
     ],
 )
 def test_equals_causal_sdpa(n, seq_len, hq, hkv, d):
@@ -51,7 +52,7 @@ def test_equals_causal_sdpa(n, seq_len, hq, hkv, d):
 @pytest.mark.parametrize(
     "n,seq_len,hq,hkv,d",
     [(7, 7, 9, 3, 64), (33, 33, 4, 1, 32), (272, 272, 9, 3, 64), (1, 300, 9, 3, 64), (50, 110, 8, 2, 128),
-     (100, 613, 6, 3, 48), (20, 90, 2, 2, 16)],
+     (100, 613, 6, 3, 48), (20, 90, 2, 2, 16), (40, 8192, 8, 4, 128)],
 )
 def test_bf16_is_the_float32_attention_rounded_once(n, seq_len, hq, hkv, d):
     """bf16 in, bf16 out: the float32 attention over the bf16 values within one rounding (2^-8 of the

@@ -8,7 +8,8 @@
 // - a work item is one KV head and a block of BQ positions, and the G query heads that share that KV
 //   head are stacked into one [G * BQ, D] block, so each K/V block read serves all of them;
 // - each K block is packed transposed ([D, BK], zero-padded), so QK^T and PV are both A x B with B
-//   row-major and 16 columns per register tile;
+//   row-major and 16 columns per register tile; K and V are packed once a call, before the work
+//   items, which all read the same packed blocks;
 // - key blocks wholly above the diagonal are skipped; the diagonal block is masked.
 //
 // inf and NaN go through as in exact arithmetic over each query's visible keys (built without
@@ -36,6 +37,7 @@ namespace {
 constexpr int64_t BQ = 32;  // query positions per work item (times G query heads)
 constexpr int64_t BK = 64;  // keys per block
 constexpr int MR = 6;       // micro-kernel rows; its columns are 16 (two ymm)
+constexpr int64_t kPackBytes = 16 << 20;  // the most a call's packed K and V take at once
 // The running max before any key: the lowest float, not -inf, so that the first correction
 // exp(kNoMax - m) is exp(0) = 1 when every score so far is -inf (-inf - -inf would be NaN) and 0 for
 // any finite score m above it.
@@ -144,31 +146,29 @@ namespace {
 // scaled, K transposed) for the float32 micro-kernel, or bf16 pairs (K as [D/2][64][2], the layout
 // of bf16_tile.h) for vdpbf16ps, whose products of two bf16 values are exact in float32.
 struct F32Scores {
-  std::vector<float> Qp, Kt;
-  F32Scores(int64_t M, int64_t D) : Qp(M * D), Kt(D * BK) {}
+  using Packed = float;  // a key block: [D][BK] floats
+  std::vector<float> Qp;
+  F32Scores(int64_t M, int64_t D) : Qp(M * D) {}
   void load_q(int64_t r, const float* src, int64_t D, float scale) {
     for (int64_t d = 0; d < D; ++d) Qp[r * D + d] = src[d] * scale;
   }
-  void load_k(const float* kp, int64_t ks, int64_t nk, int64_t nkp, int64_t D) {
-    for (int64_t d = 0; d < D; ++d) {
-      float* kt = &Kt[d * BK];
-      for (int64_t j = 0; j < nk; ++j) kt[j] = kp[j * ks + d];
-      for (int64_t j = nk; j < nkp; ++j) kt[j] = 0.f;
-    }
+  static void pack_k(const float* kp, int64_t ks, int64_t nk, int64_t D, float* kt) {
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = 0; j < BK; ++j) kt[d * BK + j] = j < nk ? kp[j * ks + d] : 0.f;
   }
-  void scores(int64_t rows, int64_t nkp, int64_t D, float, float* Sc) {
-    gemm<false>(Qp.data(), D, Kt.data(), BK, rows, nkp, D, Sc, BK);
+  void scores(int64_t rows, int64_t nkp, int64_t D, float, const float* kt, float* Sc) {
+    gemm<false>(Qp.data(), D, kt, BK, rows, nkp, D, Sc, BK);
   }
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 struct Bf16Scores {
-  std::vector<uint16_t> Kt;
+  using Packed = uint16_t;  // a key block: [D/2][BK] pairs of d
   std::vector<const uint16_t*> rows_;  // the queries' rows, read where they are (unscaled)
-  Bf16Scores(int64_t M, int64_t D) : Kt(D * BK), rows_(M) {}
+  Bf16Scores(int64_t M, int64_t) : rows_(M) {}
   void load_q(int64_t r, const uint16_t* src, int64_t, float) { rows_[r] = src; }
-  void load_k(const uint16_t* kp, int64_t ks, int64_t nk, int64_t, int64_t D) {
-    uint32_t* kt = reinterpret_cast<uint32_t*>(Kt.data());  // [D/2][BK] pairs of d
+  static void pack_k(const uint16_t* kp, int64_t ks, int64_t nk, int64_t D, uint16_t* dst) {
+    uint32_t* kt = reinterpret_cast<uint32_t*>(dst);
     for (int64_t j = 0; j < BK; ++j) {
       if (j < nk) {
         const uint32_t* src = reinterpret_cast<const uint32_t*>(kp + j * ks);
@@ -179,11 +179,11 @@ struct Bf16Scores {
     }
   }
   // The scale goes on the float32 sums (on q it would round for a head size that is not a power of 4).
-  void scores(int64_t rows, int64_t nkp, int64_t D, float scale, float* Sc) {
+  void scores(int64_t rows, int64_t nkp, int64_t D, float scale, const uint16_t* kt, float* Sc) {
     static_assert(BK == pagoda_bf16::kNB * pagoda_bf16::kBlock, "a key block is one bf16 tile's columns");
     for (int64_t r = 0; r < rows;) {
       const int m = static_cast<int>(pagoda_bf16::pass_rows(rows - r));
-      pagoda_bf16::tile_rows<false>(m, &rows_[r], Kt.data(), D, reinterpret_cast<float(*)[BK]>(Sc + r * BK));
+      pagoda_bf16::tile_rows<false>(m, &rows_[r], kt, D, reinterpret_cast<float(*)[BK]>(Sc + r * BK));
       r += m;
     }
     const __m512 vs = _mm512_set1_ps(scale);
@@ -197,83 +197,113 @@ inline void load_v(const float* src, int64_t D, float* dst) { std::copy_n(src, D
 inline void load_v(const uint16_t* src, int64_t D, float* dst) {
   for (int64_t d = 0; d < D; ++d) dst[d] = pagoda_bf16::to_float(src[d]);
 }
-inline void store_out(float v, float* dst) { *dst = v; }
-inline void store_out(float v, uint16_t* dst) {
-  const c10::BFloat16 b(v);  // round to nearest even, as torch rounds
-  std::memcpy(dst, &b, sizeof(*dst));
+// dst[d] = o[d] * inv, rounded to bf16 (to nearest even, as torch rounds) for a bf16 output.
+inline void store_row(const float* o, float inv, int64_t D, float* dst) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
+}
+inline void store_row(const float* o, float inv, int64_t D, uint16_t* dst) {
+  int64_t d = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const __m512 vi = _mm512_set1_ps(inv);
+  for (; d + 16 <= D; d += 16) pagoda_bf16::store16(dst + d, pagoda_bf16::to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o + d), vi)));
+#endif
+  for (; d < D; ++d) {
+    const c10::BFloat16 b(o[d] * inv);
+    std::memcpy(dst + d, &b, sizeof(*dst));
+  }
 }
 
 // The kernel over inputs of type T (float, or bf16 bits) with the scores of Scores.
 template <typename T, typename Scores>
 void run(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t Hq, int64_t D, int64_t S, int64_t Hkv,
          int64_t qs, int64_t ks, int64_t vs, int64_t qhs, int64_t khs, int64_t vhs, float fscale) {
+  using Packed = typename Scores::Packed;
   const int64_t G = Hq / Hkv, ctx = S - n, M = G * BQ;
-  const int64_t nqb = (n + BQ - 1) / BQ;
-  // Later query blocks see more keys: hand items out dynamically, the costliest first.
+  const int64_t nqb = (n + BQ - 1) / BQ, nkb = (S + BK - 1) / BK;
+  // Every KV head's keys and values are packed once for all the query blocks that read them (each
+  // block packing its own copy cost as much as its GEMMs): K blocks in Scores' layout, V widened to
+  // float32 rows, and whether each V block is all finite. Heads go in groups whose packed copies
+  // take at most kPackBytes (one group for a small model's prompt; a long context takes a head at a time).
+  const int64_t head_bytes = nkb * D * BK * static_cast<int64_t>(sizeof(Packed)) + S * D * 4;
+  const int64_t hg = std::clamp<int64_t>(kPackBytes / head_bytes, 1, Hkv);
+  std::vector<Packed> Kp(hg * nkb * D * BK);
+  std::vector<float> Vf(hg * S * D);
+  std::vector<char> v_finite(hg * nkb);
+  for (int64_t h0 = 0; h0 < Hkv; h0 += hg) {
+    const int64_t nh = std::min(hg, Hkv - h0);
+    const auto k_block = [&](int64_t h, int64_t kb) { return &Kp[((h - h0) * nkb + kb) * D * BK]; };
+    const auto v_row = [&](int64_t h, int64_t j) { return &Vf[((h - h0) * S + j) * D]; };
 #pragma omp parallel num_threads(at::get_num_threads())
-  {
-    Scores qk(M, D);
-    std::vector<float> Vp(BK * D), Sc(M * BK), O(M * D), mx(M), sum(M);
+    {
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < nh * nkb; ++item) {
+        const int64_t h = h0 + item / nkb, j0 = (item % nkb) * BK, nk = std::min(BK, S - j0);
+        Scores::pack_k(kp + j0 * ks + h * khs, ks, nk, D, k_block(h, j0 / BK));
+        for (int64_t j = 0; j < nk; ++j) load_v(vp + (j0 + j) * vs + h * vhs, D, v_row(h, j0 + j));
+        v_finite[item] = pagoda::all_finite(v_row(h, j0), nk * D);
+      }
+      Scores qk(M, D);
+      std::vector<float> Sc(M * BK), O(M * D), mx(M), sum(M);
+      // Later query blocks see more keys: hand items out dynamically, the costliest first.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < nqb * Hkv; ++item) {
-      const int64_t qb = nqb - 1 - item / Hkv, h = item % Hkv;
-      const int64_t i0 = qb * BQ, nq = std::min(BQ, n - i0);
-      // Rows g * nq + i of the stacked block: query head h * G + g at chunk position i0 + i.
-      const int64_t rows = G * nq;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < nq; ++i) qk.load_q(g * nq + i, qp + (i0 + i) * qs + (h * G + g) * qhs, D, fscale);
-      std::fill(O.begin(), O.begin() + rows * D, 0.f);
-      std::fill(mx.begin(), mx.begin() + rows, kNoMax);
-      std::fill(sum.begin(), sum.begin() + rows, 0.f);
-      const int64_t kend = ctx + i0 + nq;  // keys this block's last query sees
-      for (int64_t j0 = 0; j0 < kend; j0 += BK) {
-        const int64_t nk = std::min(BK, kend - j0);
-        const int64_t nkp = (nk + 15) / 16 * 16;  // columns padded to whole tiles
-        qk.load_k(kp + j0 * ks + h * khs, ks, nk, nkp, D);
-        for (int64_t j = 0; j < nk; ++j) load_v(vp + (j0 + j) * vs + h * vhs, D, &Vp[j * D]);
-        qk.scores(rows, nkp, D, fscale, Sc.data());
-        // Keys [0, all_see) are visible to every row; row r also sees [all_see, visible(r)).
-        const auto visible = [&](int64_t r) { return std::clamp<int64_t>(ctx + i0 + r % nq + 1 - j0, 0, nk); };
-        const int64_t all_see = visible(0);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t vis = visible(r);
-          float* s = &Sc[r * BK];
-          const float m = pagoda::max_f32(s, vis, mx[r]);
-          const float correction = pagoda::exp_f32(mx[r] - m);
-          const float add = pagoda::exp_minus_max_(s, vis, m);
-          for (int64_t j = vis; j < nk; ++j) s[j] = 0.f;  // masked: weight 0
-          sum[r] = sum[r] * correction + add;
-          mx[r] = m;
-          if (correction != 1.f) {
-            float* o = &O[r * D];
-            for (int64_t d = 0; d < D; ++d) o[d] *= correction;
-          }
-        }
-        // A masked key's weight is 0, but through the GEMM 0 * (an inf or NaN value) would still be
-        // NaN: when some row does not see every key of the block and such a value is there, the GEMM
-        // takes the keys all rows see and each row adds its own triangle.
-        if (all_see == nk || pagoda::all_finite(&Vp[all_see * D], (nk - all_see) * D)) {
-          gemm<true>(Sc.data(), BK, Vp.data(), D, rows, D, nk, O.data(), D);
-        } else {
-          gemm<true>(Sc.data(), BK, Vp.data(), D, rows, D, all_see, O.data(), D);
+      for (int64_t item = 0; item < nqb * nh; ++item) {
+        const int64_t qb = nqb - 1 - item / nh, h = h0 + item % nh;
+        const int64_t i0 = qb * BQ, nq = std::min(BQ, n - i0);
+        // Rows g * nq + i of the stacked block: query head h * G + g at chunk position i0 + i.
+        const int64_t rows = G * nq;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < nq; ++i) qk.load_q(g * nq + i, qp + (i0 + i) * qs + (h * G + g) * qhs, D, fscale);
+        std::fill(O.begin(), O.begin() + rows * D, 0.f);
+        std::fill(mx.begin(), mx.begin() + rows, kNoMax);
+        std::fill(sum.begin(), sum.begin() + rows, 0.f);
+        const int64_t kend = ctx + i0 + nq;  // keys this block's last query sees
+        for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+          const int64_t nk = std::min(BK, kend - j0);
+          const int64_t nkp = (nk + 15) / 16 * 16;  // columns padded to whole tiles
+          const float* Vp = v_row(h, j0);
+          qk.scores(rows, nkp, D, fscale, k_block(h, j0 / BK), Sc.data());
+          // Keys [0, all_see) are visible to every row; row r also sees [all_see, visible(r)).
+          const auto visible = [&](int64_t r) { return std::clamp<int64_t>(ctx + i0 + r % nq + 1 - j0, 0, nk); };
+          const int64_t all_see = visible(0);
           for (int64_t r = 0; r < rows; ++r) {
-            const float* s = &Sc[r * BK];
-            float* o = &O[r * D];
-            for (int64_t j = all_see, vis = visible(r); j < vis; ++j) {
-              const float p = s[j];
-              const float* vj = &Vp[j * D];
-              for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
+            const int64_t vis = visible(r);
+            float* s = &Sc[r * BK];
+            const float m = pagoda::max_f32(s, vis, mx[r]);
+            const float correction = pagoda::exp_f32(mx[r] - m);
+            const float add = pagoda::exp_minus_max_(s, vis, m);
+            for (int64_t j = vis; j < nk; ++j) s[j] = 0.f;  // masked: weight 0
+            sum[r] = sum[r] * correction + add;
+            mx[r] = m;
+            if (correction != 1.f) {
+              float* o = &O[r * D];
+              for (int64_t d = 0; d < D; ++d) o[d] *= correction;
+            }
+          }
+          // A masked key's weight is 0, but through the GEMM 0 * (an inf or NaN value) would still be
+          // NaN: when some row does not see every key of the block and such a value is there, the GEMM
+          // takes the keys all rows see and each row adds its own triangle.
+          if (all_see == nk || v_finite[(h - h0) * nkb + j0 / BK] || pagoda::all_finite(&Vp[all_see * D], (nk - all_see) * D)) {
+            gemm<true>(Sc.data(), BK, Vp, D, rows, D, nk, O.data(), D);
+          } else {
+            gemm<true>(Sc.data(), BK, Vp, D, rows, D, all_see, O.data(), D);
+            for (int64_t r = 0; r < rows; ++r) {
+              const float* s = &Sc[r * BK];
+              float* o = &O[r * D];
+              for (int64_t j = all_see, vis = visible(r); j < vis; ++j) {
+                const float p = s[j];
+                const float* vj = &Vp[j * D];
+                for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
+              }
             }
           }
         }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < nq; ++i) {
+            const int64_t r = g * nq + i;
+            const float inv = 1.f / sum[r];
+            store_row(&O[r * D], inv, D, op + ((i0 + i) * Hq + h * G + g) * D);
+          }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < nq; ++i) {
-          const int64_t r = g * nq + i;
-          const float inv = 1.f / sum[r];
-          T* dst = op + ((i0 + i) * Hq + h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) store_out(O[r * D + d] * inv, dst + d);
-        }
     }
   }
 }
