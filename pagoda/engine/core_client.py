@@ -284,8 +284,7 @@ class CoreClient:
             self._loop.call_soon(self._drain_outputs)
         except Exception as exc:
             self._stop_output_reader()
-            logger.exception("output loop failed")
-            self.mark_dead(f"the engine's output loop failed: {type(exc).__name__}: {exc}")
+            self._output_failed(exc)
 
     def _stop_output_reader(self) -> None:
         if self._output_fd is not None:
@@ -299,9 +298,12 @@ class CoreClient:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            # A bug here would leave every request waiting forever: fail loudly instead.
-            logger.exception("output loop failed")
-            self.mark_dead(f"the engine's output loop failed: {type(exc).__name__}: {exc}")
+            self._output_failed(exc)
+
+    def _output_failed(self, exc: Exception) -> None:
+        # A bug in reading or handling outputs would leave every request waiting forever: fail loudly.
+        logger.exception("output loop failed")
+        self.mark_dead(f"the engine's output loop failed: {type(exc).__name__}: {exc}")
 
     def dispatch(self, msg: EngineCoreOutputs) -> None:
         """One message of the core: its stats and utility result here, the rest to the handler; a
