@@ -3,7 +3,7 @@
 the API process's event loop and owns the request side of it:
 
 - the input processor (`pagoda.engine.input_processor`: tokenizer, chat template, validation), run
-  on a thread of its own so that a long prompt does not stall other requests' streams;
+  on a thread of its own (small inputs excepted) so that a long prompt does not stall other streams;
 - the output processor (incremental detokenization, stop strings) and the n > 1 fan-out;
 - the routing of the core's outputs to one asyncio queue per request, which its `RequestStream`
   (`pagoda.engine.request_stream`) reads.
@@ -34,7 +34,7 @@ from pagoda.engine.devices import check_device_available, limit_torch_threads
 from pagoda.engine.errors import (EngineDeadError, EngineNotReadyError, InvalidRequestError, RequestAbortedError,
                                   RequestRejectedError)
 from pagoda.engine.input_processor import (InputProcessor, ModelLimits, ProcessedPrompt, Prompt, eos_token_id_of,
-                                           make_core_requests)
+                                           make_core_requests, quick_to_process, quick_to_render)
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.request_stream import RequestState, RequestStream
 from pagoda.outputs import RequestOutput
@@ -136,13 +136,8 @@ class AsyncLLM(WeightLifecycleCalls):
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id_of(tokenizer, info)
         self.processor = OutputProcessor(tokenizer)
-        limits = ModelLimits(
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-            block_size=info.block_size,
-            num_usable_blocks=info.num_usable_blocks,
-            max_logprobs=self.args.max_logprobs,
-        )
+        limits = ModelLimits(vocab_size=info.vocab_size, max_model_len=info.max_model_len, block_size=info.block_size,
+                             num_usable_blocks=info.num_usable_blocks, max_logprobs=self.args.max_logprobs)
         # strict_max_tokens: the server's rule (OpenAI's): a max_tokens past the context is a 400.
         self._inputs = InputProcessor(tokenizer, limits, strict_max_tokens=True, chat_template=self.chat_template)
         self.ready = True
@@ -238,8 +233,10 @@ class AsyncLLM(WeightLifecycleCalls):
             raise EngineNotReadyError("the engine is starting")
         return self._inputs
 
-    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any, quick: bool = False) -> Any:
+        # quick (input_processor.QUICK_TEXT_CHARS): cheaper here, on the loop, than the hop to the thread
+        loop = asyncio.get_running_loop()
+        return fn(*args) if quick else await loop.run_in_executor(self._tokenizer_thread, fn, *args)
 
     async def tokenize_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (InvalidRequestError on "prompt"), on the tokenizer thread: the event
@@ -248,14 +245,16 @@ class AsyncLLM(WeightLifecycleCalls):
 
     async def apply_chat_template_async(self, messages: list[dict], **kwargs: Any) -> list[int]:
         """Token ids of a conversation (InputProcessor.render_chat: same arguments, same errors), on
-        the tokenizer thread."""
-        return await self._off_loop(functools.partial(self.input_processor.render_chat, messages, **kwargs))
+        the tokenizer thread unless it is small."""
+        return await self._off_loop(functools.partial(self.input_processor.render_chat, messages, **kwargs),
+                                    quick=quick_to_render(messages, kwargs.get("chat_template_kwargs")))
 
     async def process_inputs_async(self, prompt: Prompt, params: SamplingParams,
                                    add_special_tokens: bool = True) -> ProcessedPrompt:
         """The prompt tokenized, truncated and checked (InputProcessor.process) on the tokenizer
-        thread; pass the result to add_request with the same params and it is sent as is."""
-        return await self._off_loop(self.input_processor.process, prompt, params, add_special_tokens)
+        thread unless it is small; pass the result to add_request with the same params and it is sent as is."""
+        return await self._off_loop(self.input_processor.process, prompt, params, add_special_tokens,
+                                    quick=quick_to_process(prompt, params))
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.tokenizer is None:

@@ -351,6 +351,43 @@ def test_tokenization_runs_off_the_event_loop(tmp_path):
     assert threads and threads[0] != threading.get_ident()
 
 
+def test_small_inputs_are_prepared_on_the_loop_and_large_ones_on_the_thread(tmp_path):
+    """A short prompt is tokenized where it arrives (the hop to the tokenizer's thread would cost
+    more than the encode, in every short request's first token); a prompt past QUICK_TEXT_CHARS, a
+    structured request (its grammar is compiled) and a chat with tools still go to the thread. The
+    results are the same either way."""
+    import threading
+
+    from pagoda.engine.input_processor import QUICK_TEXT_CHARS
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+
+    threads: list[int] = []
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        threads.append(threading.get_ident())
+        return [len(text) % 90 + 1]
+
+    engine = _stub_engine(tmp_path, tokenizer=SimpleNamespace(encode=encode))
+    loop_thread = threading.get_ident()
+    params = SamplingParams(max_tokens=2)
+    structured = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    cases = [("hi", params, True), ("x" * QUICK_TEXT_CHARS, params, True), ("x" * (QUICK_TEXT_CHARS + 1), params, False),
+             ("hi", structured, False)]
+    for text, p, on_loop in cases:
+        threads.clear()
+        processed = asyncio.run(engine.process_inputs_async(text, p))
+        assert processed.prompt_token_ids == [len(text) % 90 + 1]
+        assert (threads == [loop_thread]) == on_loop, (len(text), p.structured_outputs)
+        assert threads
+
+    from pagoda.engine.input_processor import quick_to_render
+
+    chat = [{"role": "user", "content": "hi"}]
+    assert quick_to_render(chat) and not quick_to_render(chat, {"tools": [{"type": "function"}]})
+    assert not quick_to_render([{"role": "user", "content": "x" * (QUICK_TEXT_CHARS + 1)}])
+    assert not quick_to_render([{"role": "assistant", "content": "", "tool_calls": []}])
+
+
 def test_merge_delta_concatenates():
     from pagoda.engine.request_stream import merge_delta
 
