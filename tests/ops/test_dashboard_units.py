@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.contracts.messages import EngineCoreOutputs, EngineCoreStats
-from pagoda.ops.dashboard.figures import History, figures, histogram_quantile, read_samples
+from pagoda.ops.dashboard.figures import SERIES, History, dashboard_registry, figures, histogram_quantile, read_samples
 from pagoda.ops.dashboard.waterfall import segments
 from pagoda.ops.metrics import ServerMetrics
 from pagoda.ops.recent_requests import RecentRequests
@@ -45,8 +45,29 @@ def _setup(spec_stats: EngineCoreStats | None = None):
     metrics = ServerMetrics("tiny", 256, lambda: stats[0])
     usage = TenantUsage(metrics.registry, "tiny")
     clock = Clock()
-    history = History(lambda: read_samples(metrics.registry), keep_s=60, clock=clock)
+    sampled = dashboard_registry(metrics.registry)  # what the dashboard samples
+    history = History(lambda: read_samples(sampled), keep_s=60, clock=clock)
     return metrics, usage, clock, history, stats
+
+
+@pytest.mark.parametrize("prefix", ["pagoda", "vllm"])
+def test_the_sampled_registry_holds_every_series_the_figures_read(prefix):
+    """The once-a-second sample reads a restricted registry: it must hold exactly the full
+    registry's samples of the figures' series (gauges of the core-stats collector, counters,
+    histogram buckets, tenants' counters), so that the figures are the same."""
+    stats = EngineCoreStats(num_running=3, num_waiting=2, kv_usage=0.25, prefix_cache_queries=7)
+    metrics = ServerMetrics("tiny", 256, lambda: stats, prefix=prefix)
+    usage = TenantUsage(metrics.registry, "tiny")
+    usage.on_request_started("r", "acme", 5)
+    metrics.on_first_token(0.3, 10)
+    metrics.on_tokens(4, 0.02)
+    full = read_samples(metrics.registry)
+    names = {n for v in SERIES.values() for n in (v, v + "_bucket")}
+    wanted = {k: v for k, v in full.items() if k[0] in names}
+    assert {k[0] for k in wanted} >= {SERIES["running"], SERIES["prefix_queries"], SERIES["ttft"] + "_bucket",
+                                      SERIES["tenant_prompt_tokens"]}
+    assert read_samples(dashboard_registry(metrics.registry)) == wanted
+    assert len(wanted) < len(full) / 2  # the point of it
 
 
 def test_rates_and_windowed_percentiles_follow_the_samples():

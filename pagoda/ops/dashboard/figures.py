@@ -48,6 +48,17 @@ _SUMMED_LABELS = ("model_name", "engine")
 QUANTILES = (0.5, 0.9, 0.99)
 
 
+def dashboard_registry(registry: CollectorRegistry) -> Any:
+    """`registry` restricted to the samples the figures read (under either prefix), for the
+    once-a-second sample: ~80 samples, not every histogram's buckets (0.64 against 2.2 ms of the API
+    process's CPU a read, which streaming requests share with the core's threads)."""
+    names = set()
+    for name in SERIES.values():
+        for n in {name, _VLLM + name[len(PREFIX):] if name.startswith(PREFIX) else name}:
+            names.update((n, n + "_bucket"))
+    return registry.restricted_registry(sorted(names))
+
+
 def read_samples(registry: CollectorRegistry) -> Samples:
     out: Samples = {}
     for family in registry.collect():

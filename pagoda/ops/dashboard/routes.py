@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
-from pagoda.ops.dashboard.figures import History, figures, read_samples
+from pagoda.ops.dashboard.figures import History, dashboard_registry, figures, read_samples
 from pagoda.ops.dashboard.waterfall import waterfall
 from pagoda.ops.recent_requests import RecentRequests
 from pagoda.serve.errors import APIError, unavailable
@@ -42,7 +42,8 @@ class Dashboard:
     def __init__(self, state: ServerState, registry: Any, recent: RecentRequests) -> None:
         self.state = state
         self.recent = recent
-        self.history = History(lambda: read_samples(registry), keep_s=WINDOW_S)
+        sampled = dashboard_registry(registry)
+        self.history = History(lambda: read_samples(sampled), keep_s=WINDOW_S)
         self.spec_enabled = getattr(state.engine.args, "speculative_config", None) is not None
         self._task: asyncio.Task | None = None
 
