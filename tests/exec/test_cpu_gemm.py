@@ -51,6 +51,27 @@ def test_gemm_rows_do_not_depend_on_their_neighbours():
         assert torch.equal(gemm_kernel().gemm_bf16(x[lo:hi], packed, None, 200), whole[lo:hi])
 
 
+
+@needs_gemm
+@pytest.mark.parametrize("rows", [1, 8, 64, 400])
+def test_gemm_gives_the_same_bits_on_any_number_of_threads(rows):
+    """Each thread takes a contiguous range of the tasks, the plan's count of which need not divide
+    among them: every task must still run once, and a column's sum not depend on the thread."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    w = torch.randn(15 * 64 + 7, 576, generator=g).to(torch.bfloat16)  # 16 column blocks, the last partial
+    packed, before = pack_gemm(w), torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            outs.append(gemm_kernel().gemm_bf16(x, packed, None, w.shape[0]))
+    finally:
+        torch.set_num_threads(before)
+    exact = x.double() @ w.double().t()
+    _assert_bf16_rounding_of_exact(outs[0], exact, x.double().abs() @ w.double().abs().t(), x.shape[1])
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
 @needs_gemm
 def test_gemm_reads_strided_rows_and_propagates_inf_and_nan():
     g = torch.Generator().manual_seed(9)

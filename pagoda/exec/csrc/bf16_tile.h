@@ -73,16 +73,31 @@ inline void store16(uint16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_ca
 // later passes read them again (many rows).
 // NB < kNB: w is one part of a task packed as [K/2][NB][16][2], its sums go to c's blocks
 // [j0, j0 + NB) (tile_rows_halves).
+// Another task's weights to ask for into L2 while a pass works from L2 (a multi-pass task's later
+// passes), one cache line an iteration of k; `next` moves past what was asked for. The first pass of
+// that task then reads from L2 instead of waiting on memory.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+};
+
 template <int M, bool Stream = true, int NB = kNB>
-void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock], int j0 = 0) {
+void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock], int j0 = 0,
+          Ahead* ahead = nullptr) {
   constexpr int kStep = NB * kBlock * 2;  // elements per pair of k
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   __m512 acc[M][NB];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const int64_t pairs = k / 2;
+  const char* an = ahead != nullptr ? ahead->next : nullptr;
+  const char* const ae = ahead != nullptr ? ahead->end : nullptr;
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* src = w + p * kStep;
+    if (an < ae) {
+      _mm_prefetch(an, _MM_HINT_T1);
+      an += 64;
+    }
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) {
       const char* ahead = reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch;
@@ -99,6 +114,7 @@ void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB
   }
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c[m] + (j0 + j) * kBlock, acc[m][j]);
+  if (ahead != nullptr) ahead->next = an;
 #else
   for (int m = 0; m < M; ++m)
     for (int j = j0; j < j0 + NB; ++j)
@@ -120,14 +136,15 @@ inline int64_t pass_rows(int64_t left, int64_t most = kMR) {
 }
 
 template <bool Stream = true>
-void tile_rows(int rows, const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock]) {
+void tile_rows(int rows, const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock],
+               Ahead* ahead = nullptr) {
   switch (rows) {
-    case 1: tile<1, Stream>(a, w, k, c); break;
-    case 2: tile<2, Stream>(a, w, k, c); break;
-    case 3: tile<3, Stream>(a, w, k, c); break;
-    case 4: tile<4, Stream>(a, w, k, c); break;
-    case 5: tile<5, Stream>(a, w, k, c); break;
-    default: tile<6, Stream>(a, w, k, c); break;
+    case 1: tile<1, Stream>(a, w, k, c, 0, ahead); break;
+    case 2: tile<2, Stream>(a, w, k, c, 0, ahead); break;
+    case 3: tile<3, Stream>(a, w, k, c, 0, ahead); break;
+    case 4: tile<4, Stream>(a, w, k, c, 0, ahead); break;
+    case 5: tile<5, Stream>(a, w, k, c, 0, ahead); break;
+    default: tile<6, Stream>(a, w, k, c, 0, ahead); break;
   }
 }
 

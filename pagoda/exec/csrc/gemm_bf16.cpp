@@ -7,11 +7,15 @@
 // against 0.59 ms at 64 rows, 0.99 against 1.03 at 128; docs/perf-notes.md), and it needs no
 // primitive per row count, so rows are not padded to buckets.
 //
-// Work: tasks of (64 output columns, a chunk of rows), handed out dynamically over OpenMP threads.
-// A task streams its columns' packed weights ([K/2][4][16][2], one contiguous range) once per pass
-// of up to 6 rows; a chunk of one pass prefetches them non-temporal (read once a step), a longer
-// chunk into every level, as its later passes read them again from L2. Narrow weights (few column
-// blocks) are split by rows too, so that every thread has work.
+// Work: tasks of (64 output columns, a chunk of rows), each thread taking one contiguous range of
+// them (a whole column block's chunks in a row, and neighbouring blocks, so each thread streams one
+// run of memory). A task streams its columns' packed weights ([K/2][4][16][2], one contiguous range)
+// once per pass of up to 6 rows; a chunk of one pass prefetches them non-temporal (read once a
+// step), a longer chunk into every level, as its later passes read them again from L2, and those
+// later passes ask for the thread's next column block's weights, so that its first pass does not
+// wait on memory (a decode step of 64 rows through SmolLM2's linears: 0.85-0.96x the time of
+// dynamically handed-out tasks without it; docs/perf-notes.md "2026-12-06"). Narrow weights (few
+// column blocks) are split by rows too, so that every thread has work.
 //
 // int8: a task first widens its columns' int8 weights (the same layout, one byte each) to bf16 in a
 // per-thread buffer (exact: |q| <= 127), then runs the bf16 micro-kernel over it and multiplies each
@@ -37,17 +41,24 @@ using Opt = std::optional<torch::Tensor>;
 constexpr int kCols = kNB * kBlock;  // output columns per task
 // Rows [r0, r1) of x against one task's packed weights w (k wide), written to y's columns
 // [col0, col0 + 64) that lie below n, each column's sum times scale[col] (if given) plus bias[col].
-// `cached`: w was just written (a widened panel), so never prefetch it non-temporal.
+// `cached`: w was just written (a widened panel), so never prefetch it non-temporal. `next`: the
+// weights of the task this thread runs next, if another column block, asked for by the later passes.
 void run_task(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k, int64_t r0, int64_t r1, int64_t col0,
-              int64_t n, const float* scale, const float* bias, uint16_t* y, int64_t ldy, bool cached = false) {
+              int64_t n, const float* scale, const float* bias, uint16_t* y, int64_t ldy, bool cached = false,
+              const uint16_t* next = nullptr) {
   float c[kMR][kCols];
   const bool stream = !cached && r1 - r0 <= kMR;
+  Ahead ahead;
+  if (next != nullptr) {
+    ahead.next = reinterpret_cast<const char*>(next);
+    ahead.end = ahead.next + k * kCols * static_cast<int64_t>(sizeof(uint16_t));
+  }
   for (int64_t r = r0, rows; r < r1; r += rows) {
     rows = pass_rows(r1 - r);
     const uint16_t* a[kMR];
     for (int i = 0; i < rows; ++i) a[i] = x + (r + i) * ldx;
     if (stream) tile_rows<true>(static_cast<int>(rows), a, w, k, c);
-    else tile_rows<false>(static_cast<int>(rows), a, w, k, c);
+    else tile_rows<false>(static_cast<int>(rows), a, w, k, c, r > r0 && next != nullptr ? &ahead : nullptr);
     const int64_t cols = std::min<int64_t>(kCols, n - col0);
     for (int i = 0; i < rows; ++i) store_row(c[i], cols, scale ? scale + col0 : nullptr, bias ? bias + col0 : nullptr,
                                              y + (r + i) * ldy + col0);
@@ -92,11 +103,18 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Op
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int threads = at::get_num_threads();
   const Plan p = plan(m, blocks, threads);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t t = 0; t < p.tasks; ++t) {
-    const int64_t j = t / p.chunks, r0 = (t % p.chunks) * p.chunk;
-    run_task(xp, x.stride(0), wp + j * k * kCols, k, r0, std::min(m, r0 + p.chunk), j * kCols, n, nullptr,
-             b.empty() ? nullptr : b.data(), yp, n);
+#pragma omp parallel num_threads(threads)
+  {
+    // The plan's tasks are alike in cost (and their count a multiple of the threads where it can be),
+    // so equal contiguous ranges balance.
+    const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+    const int64_t t1 = p.tasks * (th + 1) / nt;
+    for (int64_t t = p.tasks * th / nt; t < t1; ++t) {
+      const int64_t j = t / p.chunks, r0 = (t % p.chunks) * p.chunk, jn = (t + 1) / p.chunks;
+      const uint16_t* next = t + 1 < t1 && jn != j ? wp + jn * k * kCols : nullptr;
+      run_task(xp, x.stride(0), wp + j * k * kCols, k, r0, std::min(m, r0 + p.chunk), j * kCols, n, nullptr,
+               b.empty() ? nullptr : b.data(), yp, n, false, next);
+    }
   }
   return y;
 }
