@@ -11,6 +11,11 @@
 //   row-major and 16 columns per register tile; K and V are packed once a call, before the work
 //   items, which all read the same packed blocks;
 // - key blocks wholly above the diagonal are skipped; the diagonal block is masked.
+// bf16 inputs (with AVX512-BF16) take the bf16 micro-kernel of bf16_tile.h for both GEMMs: the
+// scores' products are exact in float32; p.v takes the probabilities rounded to bf16 (as torch's
+// flash attention and transformers' eager attention do for a bf16 model) against V packed in that
+// kernel's task layout, at twice the rate of float32 FMAs. The running max, the sums and the
+// output stay float32 until the one rounding of the output.
 //
 // inf and NaN go through as in exact arithmetic over each query's visible keys (built without
 // -ffast-math; see vec_math.h): a NaN or +inf score makes its row NaN and a -inf score weighs 0, as
@@ -30,117 +35,20 @@
 #include <vector>
 
 #include "bf16_tile.h"
+#include "f32_tile.h"
 #include "vec_math.h"
 
 namespace {
 
+using pagoda_f32::gemm;
+
 constexpr int64_t BQ = 32;  // query positions per work item (times G query heads)
 constexpr int64_t BK = 64;  // keys per block
-constexpr int MR = 6;       // micro-kernel rows; its columns are 16 (two ymm)
 constexpr int64_t kPackBytes = 16 << 20;  // the most a call's packed K and V take at once
 // The running max before any key: the lowest float, not -inf, so that the first correction
 // exp(kNoMax - m) is exp(0) = 1 when every score so far is -inf (-inf - -inf would be NaN) and 0 for
 // any finite score m above it.
 constexpr float kNoMax = std::numeric_limits<float>::lowest();
-
-// C[R x 16] (=, or += when ACC) A[R x K] B[K x 16]; A rows lda apart, B rows ldb apart, C rows ldc apart.
-template <int R, bool ACC>
-inline void tile(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t K, float* C, int64_t ldc) {
-  __m256 c0[R], c1[R];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    c0[r] = ACC ? _mm256_loadu_ps(C + r * ldc) : _mm256_setzero_ps();
-    c1[r] = ACC ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
-      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(C + r * ldc, c0[r]);
-    _mm256_storeu_ps(C + r * ldc + 8, c1[r]);
-  }
-}
-
-#if defined(__AVX512F__)
-// tile's AVX-512 form: C[R x 16 NV] (=, or +=) A[R x K] B[K x 16 NV]. Each of C's values is the
-// same chain of FMAs over k as in tile, so the two give the same bits.
-template <int R, int NV, bool ACC>
-inline void tile512(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t K, float* C, int64_t ldc) {
-  __m512 c[R][NV];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) c[r][v] = ACC ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 b[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + 16 * v);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(A[r * lda + k]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_fmadd_ps(a, b[v], c[r][v]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
-}
-
-template <int NV, bool ACC>
-inline void rows512(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M, int64_t K, float* C,
-                    int64_t ldc) {
-  int64_t i = 0;
-  for (; i + 6 <= M; i += 6) tile512<6, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc);
-  switch (M - i) {
-    case 5: tile512<5, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
-    case 4: tile512<4, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
-    case 3: tile512<3, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
-    case 2: tile512<2, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
-    case 1: tile512<1, NV, ACC>(A + i * lda, lda, B, ldb, K, C + i * ldc, ldc); break;
-    default: break;
-  }
-}
-#endif
-
-// C[M x N] (=, or +=) A[M x K] B[K x N], N a multiple of 16.
-template <bool ACC>
-void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M, int64_t N, int64_t K, float* C,
-          int64_t ldc) {
-#if defined(__AVX512F__)
-  int64_t j = 0;
-  for (; j + 64 <= N; j += 64) rows512<4, ACC>(A, lda, B + j, ldb, M, K, C + j, ldc);
-  for (; j + 32 <= N; j += 32) rows512<2, ACC>(A, lda, B + j, ldb, M, K, C + j, ldc);
-  for (; j < N; j += 16) rows512<1, ACC>(A, lda, B + j, ldb, M, K, C + j, ldc);
-#else
-  for (int64_t j = 0; j < N; j += 16) {
-    int64_t i = 0;
-    for (; i + MR <= M; i += MR) tile<MR, ACC>(A + i * lda, lda, B + j, ldb, K, C + i * ldc + j, ldc);
-    const float *a = A + i * lda, *b = B + j;
-    float* c = C + i * ldc + j;
-    switch (M - i) {
-      case 5: tile<5, ACC>(a, lda, b, ldb, K, c, ldc); break;
-      case 4: tile<4, ACC>(a, lda, b, ldb, K, c, ldc); break;
-      case 3: tile<3, ACC>(a, lda, b, ldb, K, c, ldc); break;
-      case 2: tile<2, ACC>(a, lda, b, ldb, K, c, ldc); break;
-      case 1: tile<1, ACC>(a, lda, b, ldb, K, c, ldc); break;
-      default: break;
-    }
-  }
-#endif
-}
-
-}  // namespace
-
-namespace {
 
 // The queries of one work item and one block of keys, packed for the scores' GEMM: float32 (q
 // scaled, K transposed) for the float32 micro-kernel, or bf16 pairs (K as [D/2][64][2], the layout
@@ -193,10 +101,108 @@ struct Bf16Scores {
 };
 #endif
 
-inline void load_v(const float* src, int64_t D, float* dst) { std::copy_n(src, D, dst); }
-inline void load_v(const uint16_t* src, int64_t D, float* dst) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = pagoda_bf16::to_float(src[d]);
-}
+// A call's values, packed once, and p.v: O[r] += sum_j P[r][j] V[j] over a key block's first `keys`
+// keys. Float32 rows and FMAs here; Bf16Values below for vdpbf16ps.
+struct F32Values {
+  using T = float;
+  int64_t S, D, nkb;
+  std::vector<float> rows_;  // [heads][S][D]
+  F32Values(int64_t heads, int64_t S_, int64_t D_, int64_t nkb_) : S(S_), D(D_), nkb(nkb_), rows_(heads * S_ * D_) {}
+  static int64_t bytes(int64_t S, int64_t D, int64_t) { return S * D * 4; }
+  const float* block(int64_t h, int64_t kb) const { return &rows_[(h * S + kb * BK) * D]; }
+  // Packs block kb of head h (nk rows of src, rows ks apart); whether all of them are finite.
+  bool pack(int64_t h, int64_t kb, const float* src, int64_t ks, int64_t nk) {
+    float* dst = &rows_[(h * S + kb * BK) * D];
+    for (int64_t j = 0; j < nk; ++j) std::copy_n(src + j * ks, D, dst + j * D);
+    return pagoda::all_finite(dst, nk * D);
+  }
+  bool finite(int64_t h, int64_t kb, int64_t j0, int64_t j1) const { return pagoda::all_finite(block(h, kb) + j0 * D, (j1 - j0) * D); }
+  float value(int64_t h, int64_t kb, int64_t j, int64_t d) const { return block(h, kb)[j * D + d]; }
+  // The keys the GEMM may take when keys [all_see, nk) hold a non-finite value some rows must not see.
+  static int64_t gemm_keys(int64_t all_see) { return all_see; }
+  struct Scratch {};
+  void accumulate(int64_t h, int64_t kb, const float* P, int64_t rows, int64_t keys, float* O, Scratch&) const {
+    gemm<true>(P, BK, block(h, kb), D, rows, D, keys, O, D);
+  }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 values in the bf16 micro-kernel's task layout, a key block's D columns as tasks of 64
+// ([BK/2][4][16][2], zero past the block's keys and past D), and p.v by vdpbf16ps with the
+// probabilities rounded to bf16 (as torch's flash attention and transformers' eager attention round
+// them for a bf16 model): twice the float32 FMAs' rate, the value rows half the bytes. The sums and
+// the running max stay float32.
+struct Bf16Values {
+  using T = uint16_t;
+  static constexpr int64_t kCols = pagoda_bf16::kNB * pagoda_bf16::kBlock;
+  int64_t D, nkb, tasks;
+  std::vector<uint16_t> packed_;  // [heads][nkb][tasks][BK/2][64][2]
+  Bf16Values(int64_t heads, int64_t, int64_t D_, int64_t nkb_)
+      : D(D_), nkb(nkb_), tasks((D_ + kCols - 1) / kCols), packed_(heads * nkb_ * tasks * BK * kCols) {}
+  static int64_t bytes(int64_t, int64_t D, int64_t nkb) { return nkb * ((D + kCols - 1) / kCols) * BK * kCols * 2; }
+  uint16_t* task(int64_t h, int64_t kb, int64_t t) { return &packed_[((h * nkb + kb) * tasks + t) * BK * kCols]; }
+  const uint16_t* task(int64_t h, int64_t kb, int64_t t) const { return &packed_[((h * nkb + kb) * tasks + t) * BK * kCols]; }
+  static bool is_finite(uint16_t x) { return (x & 0x7F80) != 0x7F80; }
+  bool pack(int64_t h, int64_t kb, const uint16_t* src, int64_t ks, int64_t nk) {
+    bool finite = true;
+    for (int64_t t = 0; t < tasks; ++t) {
+      uint16_t* dst = task(h, kb, t);
+      for (int64_t j = 0; j < BK; ++j)
+        for (int64_t c = 0; c < kCols; ++c) {
+          const int64_t d = t * kCols + c;
+          const uint16_t x = j < nk && d < D ? src[j * ks + d] : 0;
+          finite = finite && is_finite(x);
+          dst[((j / 2) * kCols + c) * 2 + j % 2] = x;  // [j/2][block c/16][c%16][j%2]
+        }
+    }
+    return finite;
+  }
+  float value(int64_t h, int64_t kb, int64_t j, int64_t d) const {
+    return pagoda_bf16::to_float(task(h, kb, d / kCols)[((j / 2) * kCols + d % kCols) * 2 + j % 2]);
+  }
+  bool finite(int64_t h, int64_t kb, int64_t j0, int64_t j1) const {
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t d = 0; d < D; ++d)
+        if (!std::isfinite(value(h, kb, j, d))) return false;
+    return true;
+  }
+  // A pair of keys goes into one vdpbf16ps: the pair that straddles all_see would let 0 * (a
+  // non-finite value) in, so the GEMM stops at the pair boundary below it.
+  static int64_t gemm_keys(int64_t all_see) { return all_see & ~int64_t{1}; }
+  struct Scratch {
+    std::vector<uint16_t> pb;  // a row block's probabilities in bf16, [rows][BK]
+    float c[pagoda_bf16::kMR][kCols];  // one pass's sums
+  };
+  void accumulate(int64_t h, int64_t kb, const float* P, int64_t rows, int64_t keys, float* O, Scratch& scratch) const {
+    if (keys == 0) return;
+    const int64_t k2 = (keys + 1) & ~int64_t{1};  // P is 0 past the block's keys, the values 0 past nk
+    std::vector<uint16_t>& pb_ = scratch.pb;
+    pb_.resize(rows * BK);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < k2; j += 16) {
+        const auto lanes = [&](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << std::max<int64_t>(n, 0)) - 1); };
+        const __m512 p = _mm512_maskz_loadu_ps(lanes(keys - j), P + r * BK + j);  // 0 past `keys`
+        _mm256_mask_storeu_epi16(&pb_[r * BK + j], lanes(k2 - j), pagoda_bf16::to_bf16(p));
+      }
+    }
+    auto* c = scratch.c;
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t cols = std::min(kCols, D - t * kCols);
+      for (int64_t r = 0; r < rows;) {
+        const int m = static_cast<int>(pagoda_bf16::pass_rows(rows - r));
+        const uint16_t* a[pagoda_bf16::kMR];
+        for (int i = 0; i < m; ++i) a[i] = &pb_[(r + i) * BK];
+        pagoda_bf16::tile_rows<false>(m, a, task(h, kb, t), k2, c);
+        for (int i = 0; i < m; ++i) {
+          float* o = O + (r + i) * D + t * kCols;
+          for (int64_t d = 0; d < cols; ++d) o[d] += c[i][d];
+        }
+        r += m;
+      }
+    }
+  }
+};
+#endif
 // dst[d] = o[d] * inv, rounded to bf16 (to nearest even, as torch rounds) for a bf16 output.
 inline void store_row(const float* o, float inv, int64_t D, float* dst) {
   for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
@@ -213,36 +219,35 @@ inline void store_row(const float* o, float inv, int64_t D, uint16_t* dst) {
   }
 }
 
-// The kernel over inputs of type T (float, or bf16 bits) with the scores of Scores.
-template <typename T, typename Scores>
+// The kernel over inputs of type T (float, or bf16 bits) with the scores of Scores and the values of Values.
+template <typename T, typename Scores, typename Values>
 void run(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t Hq, int64_t D, int64_t S, int64_t Hkv,
          int64_t qs, int64_t ks, int64_t vs, int64_t qhs, int64_t khs, int64_t vhs, float fscale) {
   using Packed = typename Scores::Packed;
   const int64_t G = Hq / Hkv, ctx = S - n, M = G * BQ;
   const int64_t nqb = (n + BQ - 1) / BQ, nkb = (S + BK - 1) / BK;
   // Every KV head's keys and values are packed once for all the query blocks that read them (each
-  // block packing its own copy cost as much as its GEMMs): K blocks in Scores' layout, V widened to
-  // float32 rows, and whether each V block is all finite. Heads go in groups whose packed copies
-  // take at most kPackBytes (one group for a small model's prompt; a long context takes a head at a time).
-  const int64_t head_bytes = nkb * D * BK * static_cast<int64_t>(sizeof(Packed)) + S * D * 4;
+  // block packing its own copy cost as much as its GEMMs): K blocks in Scores' layout, V in Values',
+  // and whether each V block is all finite. Heads go in groups whose packed copies take at most
+  // kPackBytes (one group for a small model's prompt; a long context takes a head at a time).
+  const int64_t head_bytes = nkb * D * BK * static_cast<int64_t>(sizeof(Packed)) + Values::bytes(S, D, nkb);
   const int64_t hg = std::clamp<int64_t>(kPackBytes / head_bytes, 1, Hkv);
   std::vector<Packed> Kp(hg * nkb * D * BK);
-  std::vector<float> Vf(hg * S * D);
+  Values values(hg, S, D, nkb);
   std::vector<char> v_finite(hg * nkb);
   for (int64_t h0 = 0; h0 < Hkv; h0 += hg) {
     const int64_t nh = std::min(hg, Hkv - h0);
     const auto k_block = [&](int64_t h, int64_t kb) { return &Kp[((h - h0) * nkb + kb) * D * BK]; };
-    const auto v_row = [&](int64_t h, int64_t j) { return &Vf[((h - h0) * S + j) * D]; };
 #pragma omp parallel num_threads(at::get_num_threads())
     {
 #pragma omp for schedule(static)
       for (int64_t item = 0; item < nh * nkb; ++item) {
         const int64_t h = h0 + item / nkb, j0 = (item % nkb) * BK, nk = std::min(BK, S - j0);
         Scores::pack_k(kp + j0 * ks + h * khs, ks, nk, D, k_block(h, j0 / BK));
-        for (int64_t j = 0; j < nk; ++j) load_v(vp + (j0 + j) * vs + h * vhs, D, v_row(h, j0 + j));
-        v_finite[item] = pagoda::all_finite(v_row(h, j0), nk * D);
+        v_finite[item] = values.pack(h - h0, j0 / BK, vp + j0 * vs + h * vhs, vs, nk);
       }
       Scores qk(M, D);
+      typename Values::Scratch scratch;
       std::vector<float> Sc(M * BK), O(M * D), mx(M), sum(M);
       // Later query blocks see more keys: hand items out dynamically, the costliest first.
 #pragma omp for schedule(dynamic, 1)
@@ -260,7 +265,7 @@ void run(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t Hq, in
         for (int64_t j0 = 0; j0 < kend; j0 += BK) {
           const int64_t nk = std::min(BK, kend - j0);
           const int64_t nkp = (nk + 15) / 16 * 16;  // columns padded to whole tiles
-          const float* Vp = v_row(h, j0);
+          const int64_t hl = h - h0, kb = j0 / BK;
           qk.scores(rows, nkp, D, fscale, k_block(h, j0 / BK), Sc.data());
           // Keys [0, all_see) are visible to every row; row r also sees [all_see, visible(r)).
           const auto visible = [&](int64_t r) { return std::clamp<int64_t>(ctx + i0 + r % nq + 1 - j0, 0, nk); };
@@ -282,17 +287,17 @@ void run(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t Hq, in
           // A masked key's weight is 0, but through the GEMM 0 * (an inf or NaN value) would still be
           // NaN: when some row does not see every key of the block and such a value is there, the GEMM
           // takes the keys all rows see and each row adds its own triangle.
-          if (all_see == nk || v_finite[(h - h0) * nkb + j0 / BK] || pagoda::all_finite(&Vp[all_see * D], (nk - all_see) * D)) {
-            gemm<true>(Sc.data(), BK, Vp, D, rows, D, nk, O.data(), D);
+          if (all_see == nk || v_finite[hl * nkb + kb] || values.finite(hl, kb, all_see, nk)) {
+            values.accumulate(hl, kb, Sc.data(), rows, nk, O.data(), scratch);
           } else {
-            gemm<true>(Sc.data(), BK, Vp, D, rows, D, all_see, O.data(), D);
+            const int64_t from = Values::gemm_keys(all_see);
+            values.accumulate(hl, kb, Sc.data(), rows, from, O.data(), scratch);
             for (int64_t r = 0; r < rows; ++r) {
               const float* s = &Sc[r * BK];
               float* o = &O[r * D];
-              for (int64_t j = all_see, vis = visible(r); j < vis; ++j) {
-                const float p = s[j];
-                const float* vj = &Vp[j * D];
-                for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
+              for (int64_t j = from, vis = visible(r); j < vis; ++j) {
+                const float p = std::is_same_v<T, float> ? s[j] : pagoda_bf16::round_bf16(s[j]);
+                for (int64_t d = 0; d < D; ++d) o[d] += p * values.value(hl, kb, j, d);
               }
             }
           }
@@ -331,7 +336,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
     if (D % 32 == 0) {
       auto out = torch::empty({n, Hq, D}, q.options());
       const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
-      run<uint16_t, Bf16Scores>(bits(q), bits(k), bits(v), reinterpret_cast<uint16_t*>(out.data_ptr()), n, Hq, D, S,
+      run<uint16_t, Bf16Scores, Bf16Values>(bits(q), bits(k), bits(v), reinterpret_cast<uint16_t*>(out.data_ptr()), n, Hq, D, S,
                                 Hkv, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
                                 fscale);
       return out;
@@ -341,7 +346,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
         .to(torch::kBFloat16);
   }
   auto out = torch::empty({n, Hq, D}, q.options());
-  run<float, F32Scores>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), n, Hq,
+  run<float, F32Scores, F32Values>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), n, Hq,
                         D, S, Hkv, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
                         fscale);
   return out;
