@@ -6,9 +6,10 @@ of each KV head as int8 values with an fp16 scale per 32 of them (csrc/kv_int8.h
 kernels write it. On CPU the KV write and the decodes (one query per request) go through the C++ kernels of `cpu_kernels` (decode reads the blocks in place);
 elsewhere decodes run as one batched scaled_dot_product_attention over K/V gathered by block table.
 Each prefill chunk is one attention call (few per step, bounded by the token budget): on CPU the
-C++ causal kernel, in float32 for every model dtype, as the decode kernel computes (bf16 or fp16 q,
-K and V widened, the output rounded once), elsewhere SDPA; a chunk with no earlier context attends
-over its own fresh K/V without touching the cache.
+C++ causal kernel, its sums in float32 for every model dtype (a bf16 model's scores and p.v on
+vdpbf16ps where the CPU has AVX512-BF16, the probabilities rounded to bf16 for p.v as transformers'
+eager attention rounds them; other 16-bit inputs widened; the output rounded once), elsewhere SDPA;
+a chunk with no earlier context attends over its own fresh K/V without touching the cache.
 """
 
 from __future__ import annotations
