@@ -67,12 +67,6 @@ inline __m256i load16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret
 inline void store16(uint16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 #endif
 
-// c[m][j * 16 + i] = sum_k a[m][k] * w[k / 2][j][i][k % 2]: M rows against one task's weights, kNB
-// blocks of 16 columns interleaved per pair of k, so that the task streams one contiguous range.
-// Stream: prefetch the weights non-temporal (read once); else into every level, for a task whose
-// later passes read them again (many rows).
-// NB < kNB: w is one part of a task packed as [K/2][NB][16][2], its sums go to c's blocks
-// [j0, j0 + NB) (tile_rows_halves).
 // Another task's weights to ask for into L2 while a pass works from L2 (a multi-pass task's later
 // passes), one cache line an iteration of k; `next` moves past what was asked for. The first pass of
 // that task then reads from L2 instead of waiting on memory.
@@ -81,6 +75,12 @@ struct Ahead {
   const char* end = nullptr;
 };
 
+// c[m][j * 16 + i] = sum_k a[m][k] * w[k / 2][j][i][k % 2]: M rows against one task's weights, kNB
+// blocks of 16 columns interleaved per pair of k, so that the task streams one contiguous range.
+// Stream: prefetch the weights non-temporal (read once); else into every level, for a task whose
+// later passes read them again (many rows).
+// NB < kNB: w is one part of a task packed as [K/2][NB][16][2], its sums go to c's blocks
+// [j0, j0 + NB) (tile_rows_halves). ahead: another task's weights to ask for meanwhile (Ahead).
 template <int M, bool Stream = true, int NB = kNB>
 void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB * kBlock], int j0 = 0,
           Ahead* ahead = nullptr) {

@@ -104,7 +104,6 @@ struct Bf16Scores {
 // A call's values, packed once, and p.v: O[r] += sum_j P[r][j] V[j] over a key block's first `keys`
 // keys. Float32 rows and FMAs here; Bf16Values below for vdpbf16ps.
 struct F32Values {
-  using T = float;
   int64_t S, D, nkb;
   std::vector<float> rows_;  // [heads][S][D]
   F32Values(int64_t heads, int64_t S_, int64_t D_, int64_t nkb_) : S(S_), D(D_), nkb(nkb_), rows_(heads * S_ * D_) {}
@@ -133,7 +132,6 @@ struct F32Values {
 // them for a bf16 model): twice the float32 FMAs' rate, the value rows half the bytes. The sums and
 // the running max stay float32.
 struct Bf16Values {
-  using T = uint16_t;
   static constexpr int64_t kCols = pagoda_bf16::kNB * pagoda_bf16::kBlock;
   int64_t D, nkb, tasks;
   std::vector<uint16_t> packed_;  // [heads][nkb][tasks][BK/2][64][2]
@@ -176,22 +174,21 @@ struct Bf16Values {
   void accumulate(int64_t h, int64_t kb, const float* P, int64_t rows, int64_t keys, float* O, Scratch& scratch) const {
     if (keys == 0) return;
     const int64_t k2 = (keys + 1) & ~int64_t{1};  // P is 0 past the block's keys, the values 0 past nk
-    std::vector<uint16_t>& pb_ = scratch.pb;
-    pb_.resize(rows * BK);
-    for (int64_t r = 0; r < rows; ++r) {
+    std::vector<uint16_t>& pb = scratch.pb;
+    pb.resize(rows * BK);
+    const auto lanes = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << std::max<int64_t>(n, 0)) - 1); };
+    for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < k2; j += 16) {
-        const auto lanes = [&](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << std::max<int64_t>(n, 0)) - 1); };
         const __m512 p = _mm512_maskz_loadu_ps(lanes(keys - j), P + r * BK + j);  // 0 past `keys`
-        _mm256_mask_storeu_epi16(&pb_[r * BK + j], lanes(k2 - j), pagoda_bf16::to_bf16(p));
+        _mm256_mask_storeu_epi16(&pb[r * BK + j], lanes(k2 - j), pagoda_bf16::to_bf16(p));
       }
-    }
     auto* c = scratch.c;
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t cols = std::min(kCols, D - t * kCols);
       for (int64_t r = 0; r < rows;) {
         const int m = static_cast<int>(pagoda_bf16::pass_rows(rows - r));
         const uint16_t* a[pagoda_bf16::kMR];
-        for (int i = 0; i < m; ++i) a[i] = &pb_[(r + i) * BK];
+        for (int i = 0; i < m; ++i) a[i] = &pb[(r + i) * BK];
         pagoda_bf16::tile_rows<false>(m, a, task(h, kb, t), k2, c);
         for (int i = 0; i < m; ++i) {
           float* o = O + (r + i) * D + t * kCols;
