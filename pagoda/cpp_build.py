@@ -8,6 +8,11 @@ A build is cached under a name keyed by everything its machine code depends on: 
 headers it includes, its path, the compiler flags, torch's version, and the CPU's instruction set
 (`-march=native` compiles for this CPU, so a cache or image moved to a CPU without, say, AVX-512
 must build afresh rather than load code that dies there with SIGILL).
+
+PAGODA_CPU_ISA=avx2 makes an AVX-512 machine build and choose as an AVX2-only one would: the kernels
+compile for x86-64-v3 (AVX2, FMA, F16C) and `cpu_flags` hides the flags such a CPU lacks, so
+`dtype=auto` picks float32 there too. `make test-avx2` runs the suite that way (with torch's and
+oneDNN's own kernels held to AVX2 as well).
 """
 
 from __future__ import annotations
@@ -35,13 +40,46 @@ SHARED_INCLUDE = Path(__file__).parent / "csrc"
 # from math calls (so sqrt inlines) and no FP traps (never enabled here), which frees the vectoriser.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 
+# The instruction-set levels PAGODA_CPU_ISA may name, as the compiler's -march, and the flags of
+# /proc/cpuinfo that a CPU of that level lacks (by prefix).
+_ISA_LEVELS = {"avx2": ("x86-64-v3", ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert"))}
+
+
+def cpu_isa() -> str:
+    """The instruction-set level the kernels target: "native", or PAGODA_CPU_ISA's level."""
+    isa = os.environ.get("PAGODA_CPU_ISA", "native").strip().lower() or "native"
+    if isa != "native" and isa not in _ISA_LEVELS:
+        raise ValueError(f"PAGODA_CPU_ISA must be native or one of {sorted(_ISA_LEVELS)}; got {isa!r}")
+    return isa
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags for the target level (CFLAGS on the CPU's own)."""
+    isa = cpu_isa()
+    if isa == "native":
+        return CFLAGS
+    return tuple(f"-march={_ISA_LEVELS[isa][0]}" if f == "-march=native" else f for f in CFLAGS) + ("-mtune=native",)
+
+
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
-@lru_cache(maxsize=1)
 def cpu_flags() -> str:
-    """The CPU's feature flags (x86 `flags`, Arm `Features` of /proc/cpuinfo), sorted; read once per
-    process. Where there is no /proc/cpuinfo, the machine and processor names stand in."""
+    """The CPU's feature flags (x86 `flags`, Arm `Features` of /proc/cpuinfo), sorted, less those
+    the PAGODA_CPU_ISA level lacks; read once per process and level. Where there is no
+    /proc/cpuinfo, the machine and processor names stand in."""
+    isa = cpu_isa()
+    return _own_flags() if isa == "native" else _flags_at_level(isa, _own_flags())
+
+
+@lru_cache(maxsize=None)
+def _flags_at_level(isa: str, own: str) -> str:
+    lacks = _ISA_LEVELS[isa][1]
+    return " ".join(f for f in own.split() if not f.startswith(lacks))
+
+
+@lru_cache(maxsize=1)
+def _own_flags() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
@@ -75,7 +113,7 @@ def build_key(source: Path) -> str:
     h = hashlib.sha1()
     for path in (source, *_included_headers(source)):
         h.update(str(path.resolve()).encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(" ".join(CFLAGS).encode() + b"\0" + torch.__version__.encode() + b"\0")
+    h.update(" ".join(cflags()).encode() + b"\0" + torch.__version__.encode() + b"\0")
     h.update(cpu_flags().encode())
     return h.hexdigest()[:12]
 
@@ -98,7 +136,7 @@ def build_cpu_extension(stem: str, source: Path, what: str) -> ModuleType | None
             return load(
                 name=name,
                 sources=[str(source)],
-                extra_cflags=list(CFLAGS),
+                extra_cflags=list(cflags()),
                 extra_ldflags=["-fopenmp"],
                 extra_include_paths=[str(SHARED_INCLUDE)],
                 verbose=False,

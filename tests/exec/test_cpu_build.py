@@ -67,3 +67,25 @@ def test_dtype_auto_reads_the_same_cpu_flags(monkeypatch):
     assert not loader.cpu_has_bf16()
     monkeypatch.setattr(loader, "cpu_flags", lambda: HASWELL + " amx_bf16")
     assert loader.cpu_has_bf16()
+
+
+def test_an_avx2_level_builds_and_chooses_as_an_avx2_cpu(monkeypatch, tmp_path: Path):
+    """PAGODA_CPU_ISA=avx2: the kernels compile for x86-64-v3, the flags an AVX2-only CPU lacks are
+    hidden (so `dtype=auto` picks float32), and the build is another one than the native build."""
+    from pagoda.model import loader
+
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }\n")
+    monkeypatch.setattr(cpp_build, "_own_flags", lambda: ZEN4 + " avx512_vnni amx_bf16 avx_vnni")
+    monkeypatch.delenv("PAGODA_CPU_ISA", raising=False)
+    native = build_key(source)
+    assert "-march=native" in cpp_build.cflags()
+    monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
+    assert "-march=x86-64-v3" in cpp_build.cflags() and "-march=native" not in cpp_build.cflags()
+    assert cpu_flags().split() == ["avx", "avx2", "fma", "sse4_2"]
+    assert not loader.cpu_has_bf16()
+    assert build_key(source) != native
+    monkeypatch.setenv("PAGODA_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="PAGODA_CPU_ISA must be native or one of"):
+        cpu_flags()
+

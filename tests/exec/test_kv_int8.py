@@ -157,8 +157,9 @@ def test_engine_over_int8_kv_keeps_transformers_greedy_under_chunks_swap_and_a_s
 
 
 def test_fused_decode_over_int8_kv_equals_the_modules(kernels, tiny, monkeypatch):
-    from tests.exec.test_fused_decode import _assert_fused_equals_modules
+    from tests.exec.test_fused_decode import _assert_fused_equals_modules, skip_bf16_without_packed_linears
 
+    skip_bf16_without_packed_linears("bfloat16")
     folder, _ = tiny
     _assert_fused_equals_modules(lambda: load_model(str(folder), dtype="bfloat16"), monkeypatch,
                                  kv_cache_dtype="int8")

@@ -89,10 +89,11 @@ def test_bf16_first_8_tokens_equal_fp32(smollm2_bf16, hf_smollm2, smollm2_tokeni
 # Pagoda bf16 against transformers bf16 on the same GGUF weights (dequantized to float32, then
 # rounded to bf16 by both). The two compute in different orders (fused QKV, chunked batches, paged
 # attention), so a near-tie may flip: a prompt may differ only where the fp32 reference's top-2
-# margin at the first differing token is below NEAR_TIE. Measured on the AVX2-only EPYC dev machine
-# (no native bf16), these prompts differ there, at fp32 margins 0.01-0.22 (first differing token 0-11);
-# on other CPUs the set may change, the margin rule may not.
-BF16_NEAR_TIES_AVX2 = {3, 6, 7, 8, 12, 15}
+# margin at the first differing token is below NEAR_TIE. Without native bf16, 6 prompts differed on
+# the AVX2-only EPYC dev machine ({3, 6, 7, 8, 12, 15}, at fp32 margins 0.01-0.22, first differing
+# token 0-11) and 4 under `make test-avx2` on the Zen 4 ({6, 8, 11, 12}, 0.03-0.22): which prompts
+# flip depends on the CPU's kernels, the margin rule does not; the count bounds a drift in accuracy.
+BF16_MAX_FLIPS_AVX2 = 6
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ def test_bf16_first_16_tokens_equal_transformers_bf16(
     outs = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids], params, use_tqdm=False)
     differ = near_tie_differences(hf_smollm2, smollm2_prompt_ids, outs, ref, "bf16 (against transformers bf16)")
     if not cpu_has_bf16():
-        assert set(differ) <= BF16_NEAR_TIES_AVX2, f"near-ties (prompt: (token, margin)) {differ}"
+        assert len(differ) <= BF16_MAX_FLIPS_AVX2, f"near-ties (prompt: (token, margin)) {differ}"
 
 
 # A float32 model over a 16-bit KV cache (`kv_cache_dtype`): the cache rounds K and V, so a near-tie
@@ -149,8 +150,9 @@ def test_16bit_kv_cache_keeps_fp32_greedy_but_near_ties(
 
 
 # An int8 KV cache (a scale per block and KV head) against the 16-bit one under the same float32
-# model: at least 14 of the 16 prompts keep the 16-bit cache's 32 greedy tokens, and a prompt may
-# differ only at a near-tie of the same margin rule.
+# model: a prompt may differ only at a near-tie of the same margin rule, and at least 12 of the 16
+# prompts keep the 16-bit cache's 32 greedy tokens (at most 2 flipped with AVX-512 on the Zen 4, 4
+# under `make test-avx2` there, at margins 0.007-0.052).
 def test_int8_kv_cache_keeps_16bit_greedy_but_near_ties(smollm2_fp32, hf_smollm2, smollm2_tokenizer, smollm2_prompt_ids):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {}
@@ -162,4 +164,4 @@ def test_int8_kv_cache_keeps_16bit_greedy_but_near_ties(smollm2_fp32, hf_smollm2
     refs = [out.outputs[0].token_ids for out in outs["bfloat16"]]
     differ = near_tie_differences(hf_smollm2, smollm2_prompt_ids, outs["int8"], refs, "int8 KV (against bf16 KV)")
     print("int8 KV near-ties (prompt: (token, margin)):", differ)
-    assert len(differ) <= 2, f"int8 KV flipped {differ}"
+    assert len(differ) <= 4, f"int8 KV flipped {differ}"
