@@ -18,6 +18,8 @@
 #include <optional>
 #include <vector>
 
+#include "block_prefetch.h"
+
 namespace pagoda_bf16 {
 
 using bf16 = c10::BFloat16;
@@ -68,12 +70,9 @@ inline void store16(uint16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_ca
 #endif
 
 // Another task's weights to ask for into L2 while a pass works from L2 (a multi-pass task's later
-// passes), one cache line an iteration of k; `next` moves past what was asked for. The first pass of
-// that task then reads from L2 instead of waiting on memory.
-struct Ahead {
-  const char* next = nullptr;
-  const char* end = nullptr;
-};
+// passes), one line an iteration of k. The first pass of that task then reads from L2 instead of
+// waiting on memory.
+using Ahead = pagoda_prefetch::Lines;
 
 // c[m][j * 16 + i] = sum_k a[m][k] * w[k / 2][j][i][k % 2]: M rows against one task's weights, kNB
 // blocks of 16 columns interleaved per pair of k, so that the task streams one contiguous range.
@@ -90,19 +89,15 @@ void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const int64_t pairs = k / 2;
-  const char* an = ahead != nullptr ? ahead->next : nullptr;
-  const char* const ae = ahead != nullptr ? ahead->end : nullptr;
+  Ahead next = ahead != nullptr ? *ahead : Ahead{};  // a local, so that its two pointers stay in registers
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* src = w + p * kStep;
-    if (an < ae) {
-      _mm_prefetch(an, _MM_HINT_T1);
-      an += 64;
-    }
+    next.step();
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) {
-      const char* ahead = reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch;
-      if constexpr (Stream) _mm_prefetch(ahead, _MM_HINT_NTA);
-      else _mm_prefetch(ahead, _MM_HINT_T0);
+      const char* soon = reinterpret_cast<const char*>(src + j * 2 * kBlock) + kPrefetch;
+      if constexpr (Stream) _mm_prefetch(soon, _MM_HINT_NTA);
+      else _mm_prefetch(soon, _MM_HINT_T0);
       wv[j] = (__m512bh)_mm512_loadu_si512(src + j * 2 * kBlock);
     }
     for (int m = 0; m < M; ++m) {
@@ -114,7 +109,7 @@ void tile(const uint16_t* const* a, const uint16_t* w, int64_t k, float (*c)[kNB
   }
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(c[m] + (j0 + j) * kBlock, acc[m][j]);
-  if (ahead != nullptr) ahead->next = an;
+  if (ahead != nullptr) *ahead = next;
 #else
   for (int m = 0; m < M; ++m)
     for (int j = j0; j < j0 + NB; ++j)

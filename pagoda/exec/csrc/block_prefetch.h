@@ -1,17 +1,25 @@
-// Prefetching the next KV cache block while the decode kernels work on the current one.
+// Asking for the data of the next piece of work a few cache lines at a time, spread over the steps
+// of the current one: the next KV cache block in the decode kernels, the next column block of
+// weights in the bf16 GEMM.
 //
-// Cache blocks lie anywhere in the pool, so the hardware prefetcher, which follows addresses, cannot
-// find the next block, and a kernel that waits on each block in turn reads at a fraction of the
-// memory's rate (64 sequences of a few hundred tokens: ~10 GB/s against ~26 GB/s for a plain gather
-// of the same blocks). Asking for a whole block at once does not help: it fills the core's miss
-// queue and stalls the arithmetic behind it. So the next block's cache lines are asked for a few at
-// a time, spread over the calls of step() that the work on the current block makes.
+// KV cache blocks lie anywhere in the pool, so the hardware prefetcher, which follows addresses,
+// cannot find the next block, and a kernel that waits on each block in turn reads at a fraction of
+// the memory's rate (64 sequences of a few hundred tokens: ~10 GB/s against ~26 GB/s for a plain
+// gather of the same blocks). Asking for a whole block at once does not help: it fills the core's
+// miss queue and stalls the arithmetic behind it. So the next block's cache lines are asked for a
+// few at a time, spread over the calls of step() that the work on the current block makes.
+//
+// Two shapes: `Ahead`, rows at a stride spread evenly over a number of steps (the KV blocks, into
+// every level: they are read right after); `Lines`, one contiguous range one line a step, into L2
+// (the GEMM's next weights, which must not push the current pass's out of L1). `Lines` is two
+// pointers because it runs in the GEMM micro-kernel's innermost loop, where `Ahead`'s bookkeeping
+// measured 5 % slower at 64 rows.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
-namespace pagoda_kv {
+namespace pagoda_prefetch {
 
 class Ahead {
  public:
@@ -37,4 +45,19 @@ class Ahead {
   int64_t left_ = 0, per_row_ = 0, stride_ = 0, row_ = 0, col_ = 0, per_step_ = 0;
 };
 
-}  // namespace pagoda_kv
+struct Lines {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  void start(const void* first, int64_t bytes) {
+    next = static_cast<const char*>(first);
+    end = next + bytes;
+  }
+  void step() {
+    if (next < end) {
+      __builtin_prefetch(next, 0, 2);
+      next += 64;
+    }
+  }
+};
+
+}  // namespace pagoda_prefetch

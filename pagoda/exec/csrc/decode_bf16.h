@@ -65,7 +65,7 @@ struct Rows {
 };
 
 // Block i of r's rows (none past the context) asked for over `steps` calls of ahead.step().
-static inline void start(pagoda_kv::Ahead& ahead, const Rows& r, int64_t i, int64_t S, int64_t steps) {
+static inline void start(pagoda_prefetch::Ahead& ahead, const Rows& r, int64_t i, int64_t S, int64_t steps) {
   if (i * r.BS >= S) return ahead.none();
   ahead.start(r.block(i), std::min(r.BS, S - i * r.BS), r.ng * r.D * 2, r.stride() * 2, steps);
 }
@@ -75,7 +75,7 @@ static inline void start(pagoda_kv::Ahead& ahead, const Rows& r, int64_t i, int6
 static inline void qk(const uint16_t* const* qh, const Rows& k, const Rows& v, int64_t S, float scale, float* scores) {
   const int64_t stride = k.stride(), D = k.D;
   const __m512 vscale = _mm512_set1_ps(scale);
-  pagoda_kv::Ahead ahead;
+  pagoda_prefetch::Ahead ahead;
   for (int64_t bi = 0; bi * k.BS < S; ++bi) {
     const int64_t nb = std::min(k.BS, S - bi * k.BS);
     const int64_t steps = (nb + 15) / 16 * k.ng * k.G;
@@ -109,7 +109,7 @@ static inline void qk(const uint16_t* const* qh, const Rows& k, const Rows& v, i
 // block (`rows`: the first row's columns of the heads' KV head), for HN heads and NZ vectors of 16.
 template <int HN, int NZ>
 static inline void pv_part(const float* p, int64_t S, const uint16_t* rows, int64_t stride, int64_t n, int64_t h0,
-                           int64_t D, int64_t d0, float* acc, pagoda_kv::Ahead& ahead) {
+                           int64_t D, int64_t d0, float* acc, pagoda_prefetch::Ahead& ahead) {
   __m512 a[HN][NZ];
 #pragma GCC unroll 4
   for (int h = 0; h < HN; ++h)
@@ -135,7 +135,7 @@ static inline void pv_part(const float* p, int64_t S, const uint16_t* rows, int6
 
 template <int NZ>
 static inline void pv_heads(const float* p, int64_t S, const uint16_t* rows, int64_t stride, int64_t n, int64_t h0,
-                            int64_t h1, int64_t D, int64_t d0, float* acc, pagoda_kv::Ahead& ahead) {
+                            int64_t h1, int64_t D, int64_t d0, float* acc, pagoda_prefetch::Ahead& ahead) {
   for (; h0 < h1; h0 += 4) {
     switch (std::min<int64_t>(4, h1 - h0)) {
       case 4: pv_part<4, NZ>(p, S, rows, stride, n, h0, D, d0, acc, ahead); break;
@@ -147,15 +147,18 @@ static inline void pv_heads(const float* p, int64_t S, const uint16_t* rows, int
 }
 
 // acc[h * D + d] = sum_t p[h * S + t] * v_t[d] for the item's query heads h, block by block (the
-// float32 sums in token order); acc is overwritten.
-static inline void pv(const float* p, const Rows& v, int64_t S, float* acc) {
+// float32 sums in token order); acc is overwritten. The last V block asks for the first K block of
+// the thread's next item (`next_k` over `next_S` tokens; none when next_S is 0), whose q.k would
+// otherwise begin by waiting on memory.
+static inline void pv(const float* p, const Rows& v, int64_t S, float* acc, const Rows& next_k, int64_t next_S) {
   const int64_t D = v.D;
   std::fill(acc, acc + v.ng * v.G * D, 0.f);
-  pagoda_kv::Ahead ahead;
+  pagoda_prefetch::Ahead ahead;
   const int64_t calls = v.ng * ((D + 63) / 64) * ((v.G + 3) / 4);  // pv_part calls a block
   for (int64_t bi = 0; bi * v.BS < S; ++bi) {
     const int64_t nb = std::min(v.BS, S - bi * v.BS);
-    start(ahead, v, bi + 1, S, calls * nb);
+    if ((bi + 1) * v.BS < S) start(ahead, v, bi + 1, S, calls * nb);
+    else start(ahead, next_k, 0, next_S, calls * nb);
     const float* pb = p + bi * v.BS;
     for (int64_t gi = 0; gi < v.ng; ++gi) {
       const uint16_t* rows = v.block(bi) + gi * D;
@@ -176,10 +179,16 @@ inline void decode(const uint16_t* q, int64_t qs0, int64_t qs1, const uint16_t* 
   pagoda_split::balanced_for(B * items_per_seq, tokens, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(nh * D), inv(nh), scores;
     std::vector<const uint16_t*> qh(nh);
+    const auto k_rows = [&](int64_t idx) {
+      const int64_t b = idx / items_per_seq;
+      return Rows{kc, bt + b * max_blocks, BS, Hkv, D, (idx % items_per_seq) * heads_kv, heads_kv, G};
+    };
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / items_per_seq, hk0 = (idx % items_per_seq) * heads_kv, S = lens[b];
-      const Rows k{kc, bt + b * max_blocks, BS, Hkv, D, hk0, heads_kv, G};
+      const Rows k = k_rows(idx);
       const Rows v{vc, k.table, BS, Hkv, D, hk0, heads_kv, G};
+      const bool more = idx + 1 < end;
+      const Rows next_k = k_rows(more ? idx + 1 : idx);
       scores.resize(nh * S);
       for (int64_t h = 0; h < nh; ++h) qh[h] = q + b * qs0 + (hk0 * G + h) * qs1;
       qk(qh.data(), k, v, S, scale, scores.data());
@@ -187,7 +196,7 @@ inline void decode(const uint16_t* q, int64_t qs0, int64_t qs1, const uint16_t* 
         float* sh = &scores[h * S];
         inv[h] = 1.f / pagoda::exp_minus_max_(sh, S, pagoda::max_f32(sh, S, -std::numeric_limits<float>::infinity()));
       }
-      pv(scores.data(), v, S, acc.data());
+      pv(scores.data(), v, S, acc.data(), next_k, more ? lens[(idx + 1) / items_per_seq] : 0);
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t d = 0; d < D; ++d)
           out[(b * Hq + hk0 * G + h) * D + d] = static_cast<c10::BFloat16>(acc[h * D + d] * inv[h]);

@@ -49,10 +49,7 @@ void run_task(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k, int6
   float c[kMR][kCols];
   const bool stream = !cached && r1 - r0 <= kMR;
   Ahead ahead;
-  if (next != nullptr) {
-    ahead.next = reinterpret_cast<const char*>(next);
-    ahead.end = ahead.next + k * kCols * static_cast<int64_t>(sizeof(uint16_t));
-  }
+  if (next != nullptr) ahead.start(next, k * kCols * static_cast<int64_t>(sizeof(uint16_t)));
   for (int64_t r = r0, rows; r < r1; r += rows) {
     rows = pass_rows(r1 - r);
     const uint16_t* a[kMR];

@@ -81,7 +81,7 @@ static inline const float* block_rows(const C* cache, int64_t block, int64_t BS,
 // Asks for a work item's rows in one cache block (n rows of `heads` KV heads from hk0) over `steps`
 // calls of ahead.step() (block_prefetch.h).
 template <typename C>
-static inline void ask_block(pagoda_kv::Ahead& ahead, const C* cache, int64_t block, int64_t BS, int64_t Hkv,
+static inline void ask_block(pagoda_prefetch::Ahead& ahead, const C* cache, int64_t block, int64_t BS, int64_t Hkv,
                              int64_t D, int64_t hk0, int64_t heads, int64_t n, int64_t steps) {
   if constexpr (std::is_same_v<C, int8_t>) {  // [blocks, Hkv, BS, W]
     const int64_t W = pagoda_kv8::row_bytes(D);
@@ -119,7 +119,7 @@ static inline void pv_chunk(const float* p, const float* v, int64_t stride, int6
 // scores[h * S + j] = q_h . k_j for the n tokens of one block (`scores` points at the block's first
 // token). A dot product is one chain of dependent FMAs, so eight tokens go at once.
 static inline void qk_block(const float* qf, const float* kb, int64_t stride, int64_t n, int64_t nh, int64_t G,
-                            int64_t D, float* scores, int64_t S, pagoda_kv::Ahead& ahead) {
+                            int64_t D, float* scores, int64_t S, pagoda_prefetch::Ahead& ahead) {
   for (int64_t h = 0; h < nh; ++h) {
     ahead.step();
     const float* qh = qf + h * D;
@@ -152,7 +152,7 @@ static inline void qk_block(const float* qf, const float* kb, int64_t stride, in
 
 // acc[h] += sum_j p[h * S + j] * v_j for the n tokens of one block (`p` points at its first token).
 static inline void pv_block(const float* p, int64_t S, const float* vb, int64_t stride, int64_t n, int64_t nh,
-                            int64_t G, int64_t D, float* acc, pagoda_kv::Ahead& ahead) {
+                            int64_t G, int64_t D, float* acc, pagoda_prefetch::Ahead& ahead) {
   for (int64_t h = 0; h < nh; ++h) {
     ahead.step();
     const float* ph = p + h * S;
@@ -201,7 +201,7 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(q[b * qs0 + (h0 + h) * qs1 + d]) * scale;
       int64_t stride;
-      pagoda_kv::Ahead ahead;  // the next block's rows, asked for while this one is worked on
+      pagoda_prefetch::Ahead ahead;  // the next block's rows, asked for while this one is worked on
       for (int64_t t0 = 0; t0 < S; t0 += BS) {
         const int64_t n = std::min(BS, S - t0);
         if (t0 + BS < S) ask_block(ahead, kc, table[t0 / BS + 1], BS, Hkv, D, hk0, heads_kv, std::min(BS, S - t0 - BS), nh);
@@ -217,8 +217,14 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < S; t0 += BS) {
         const int64_t n = std::min(BS, S - t0);
-        if (t0 + BS < S) ask_block(ahead, vc, table[t0 / BS + 1], BS, Hkv, D, hk0, heads_kv, std::min(BS, S - t0 - BS), nh);
-        else ahead.none();
+        if (t0 + BS < S) {
+          ask_block(ahead, vc, table[t0 / BS + 1], BS, Hkv, D, hk0, heads_kv, std::min(BS, S - t0 - BS), nh);
+        } else if (idx + 1 < end) {  // the first K block of the thread's next item, which would wait on memory
+          const int64_t nb = (idx + 1) / items_per_seq, nhk0 = ((idx + 1) % items_per_seq) * heads_kv;
+          ask_block(ahead, kc, bt[nb * max_blocks], BS, Hkv, D, nhk0, heads_kv, std::min(BS, lens[nb]), nh);
+        } else {
+          ahead.none();
+        }
         const float* vb = block_rows(vc, table[t0 / BS], BS, Hkv, D, hk0, row, n, buf.data(), stride);
         pv_block(&scores[t0], S, vb, stride, n, nh, G, D, acc.data(), ahead);
       }
