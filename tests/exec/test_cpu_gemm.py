@@ -51,7 +51,6 @@ def test_gemm_rows_do_not_depend_on_their_neighbours():
         assert torch.equal(gemm_kernel().gemm_bf16(x[lo:hi], packed, None, 200), whole[lo:hi])
 
 
-
 @needs_gemm
 @pytest.mark.parametrize("rows", [1, 8, 64, 400])
 def test_gemm_gives_the_same_bits_on_any_number_of_threads(rows):
@@ -71,6 +70,7 @@ def test_gemm_gives_the_same_bits_on_any_number_of_threads(rows):
     exact = x.double() @ w.double().t()
     _assert_bf16_rounding_of_exact(outs[0], exact, x.double().abs() @ w.double().abs().t(), x.shape[1])
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
 
 @needs_gemm
 def test_gemm_reads_strided_rows_and_propagates_inf_and_nan():

@@ -220,8 +220,8 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
         if (t0 + BS < S) {
           ask_block(ahead, vc, table[t0 / BS + 1], BS, Hkv, D, hk0, heads_kv, std::min(BS, S - t0 - BS), nh);
         } else if (idx + 1 < end) {  // the first K block of the thread's next item, which would wait on memory
-          const int64_t nb = (idx + 1) / items_per_seq, nhk0 = ((idx + 1) % items_per_seq) * heads_kv;
-          ask_block(ahead, kc, bt[nb * max_blocks], BS, Hkv, D, nhk0, heads_kv, std::min(BS, lens[nb]), nh);
+          const int64_t b_next = (idx + 1) / items_per_seq, hk0_next = ((idx + 1) % items_per_seq) * heads_kv;
+          ask_block(ahead, kc, bt[b_next * max_blocks], BS, Hkv, D, hk0_next, heads_kv, std::min(BS, lens[b_next]), nh);
         } else {
           ahead.none();
         }
