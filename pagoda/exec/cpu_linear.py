@@ -26,7 +26,9 @@ faster than oneDNN's packed GEMM from one row (2x: a decode step is a chain of m
 products bound by reading the weights, where oneDNN's blocking for many rows falls short) to 256 and
 within a few per cent at 2,048, and it builds nothing per row count. One packed copy per weight: the
 plain one is dropped (the tied head's is the embedding's, which stays). PAGODA_NO_BF16_GEMM=1 gives
-those linears back to oneDNN.
+those linears back to oneDNN. A model dequantized from a GGUF file keeps a second copy in the file's
+blocks where they widen to the same bf16 values, which the GEMM reads for up to 4 rows
+(gguf_block_linears: SmolLM2's Q4_1 linears and Q8_0 head, 98 MB against 269 MB a decode step).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 from torch import nn
 
 from pagoda.exec.cpu_kernels import load_gemm_bf16
+from pagoda.exec.gguf_block_linears import block_copy, source_blocks
 from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.mmap_weights import release_pages
 
@@ -126,26 +129,29 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
-def _gemm_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def _gemm_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                 blocks: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return gemm_kernel().gemm_bf16(x, packed, bias, n).reshape(*shape[:-1], n)
+    return gemm_kernel().gemm_bf16(x, packed, bias, n, blocks).reshape(*shape[:-1], n)
 
 
 class PackedLMHead:
     """Logits through the bf16 GEMM or oneDNN, from a packed copy of the head weight (which the
-    embedding still uses)."""
+    embedding still uses); `blocks`, for a few rows: the GGUF blocks it was dequantized from
+    (gguf_block_linears), or None."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, parts: list | None = None) -> None:
         self.out_features = weight.shape[0]
         self.gemm = gemm_applies(weight)
         self.packed = pack_gemm(weight) if self.gemm else _pack(weight)
+        self.blocks = block_copy(parts, weight) if self.gemm else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gemm:
-            return _gemm_linear(hidden, self.packed, None, self.out_features)
+            return _gemm_linear(hidden, self.packed, None, self.out_features, self.blocks)
         return _packed_linear(hidden, self.packed, None)
 
 
@@ -153,16 +159,17 @@ class PackedLinear(nn.Module):
     """Stands in for an nn.Linear: the same function, the weight held only packed (for the bf16 GEMM
     where it applies, else in oneDNN's layout)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, parts: list | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gemm = gemm_applies(linear.weight)
         self.packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
+        self.blocks = block_copy(parts, linear.weight) if self.gemm else None  # as PackedLMHead's
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm:
-            return _gemm_linear(x, self.packed, self.bias, self.out_features)
+            return _gemm_linear(x, self.packed, self.bias, self.out_features, self.blocks)
         return _packed_linear(x, self.packed, self.bias)
 
 
@@ -173,7 +180,7 @@ def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor]
     if weight is None or not _onednn_usable(weight, device):  # None: a pipeline stage without the head
         return model.compute_logits
     try:
-        head = PackedLMHead(weight)
+        head = PackedLMHead(weight, _head_blocks(model, weight))
     except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
         logger.warning("packed LM head unavailable (%s); using F.linear", exc)
         return model.compute_logits
@@ -182,19 +189,32 @@ def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor]
     return head if gather is None else lambda hidden: gather(head(hidden))
 
 
+def _blocks_for(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, list]:
+    """The GGUF blocks (gguf_block_linears.source_blocks) of those of `weights` (module name ->
+    weight) that run on the bf16 GEMM."""
+    wanted = {name for name, w in weights.items() if gemm_applies(w)}
+    return source_blocks(model, wanted) if wanted else {}
+
+
+def _head_blocks(model: nn.Module, weight: torch.Tensor) -> list | None:
+    found = _blocks_for(model, {"lm_head": weight, "model.embed_tokens": weight})  # a tied head: the embedding's
+    return found.get("lm_head", found.get("model.embed_tokens"))
+
+
 def pack_linears(model: nn.Module, device: torch.device) -> int:
     """Swap every nn.Linear of `model` on the CPU that oneDNN serves well (float32; bf16 with native
     bf16) but the LM head, which `logits_fn` serves, for a PackedLinear; the unpacked weights are dropped. Returns how many were swapped."""
     targets = [
-        (parent, name, child)
-        for parent in model.modules()
+        (f"{prefix}.{name}" if prefix else name, parent, name, child)
+        for prefix, parent in model.named_modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear and name != "lm_head" and _onednn_usable(child.weight, device)
     ]
+    blocks = _blocks_for(model, {full: child.weight for full, _, _, child in targets})
     swapped, dropped = 0, []
-    for parent, name, child in targets:
+    for full, parent, name, child in targets:
         try:
-            packed = PackedLinear(child)
+            packed = PackedLinear(child, blocks.pop(full, None))
         except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
             logger.warning("packed linears unavailable (%s); using F.linear", exc)
             break

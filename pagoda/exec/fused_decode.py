@@ -201,9 +201,9 @@ class FusedCPUDecoder:
     def _linear(self, module: nn.Module):
         ops = self.ops
         if isinstance(module, PackedLinear):
-            self._held.append((module, "packed", module.packed))
+            self._held += [(module, "packed", module.packed), (module, "blocks", module.blocks)]
             if module.gemm:
-                return ops.gemm_linear(module.packed, module.bias, module.out_features)
+                return ops.gemm_linear(module.packed, module.bias, module.out_features, module.blocks)
             return ops.packed_linear(module.packed, module.bias)
         if isinstance(module, QuantLinear):
             self._held.append((module, "parts", module.parts))

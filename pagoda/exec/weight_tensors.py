@@ -18,6 +18,7 @@ from torch import nn
 from pagoda.exec.cpu_linear import _pack, logits_fn, pack_linears
 
 _ALIGN = 4096  # each parked tensor starts on a page: oneDNN's packed weights want aligned data
+_HEAD_BLOCKS = "<lm head blocks>"
 
 
 def weight_tensors(model: nn.Module, compute_logits: Callable | None = None) -> dict[str, torch.Tensor]:
@@ -36,8 +37,22 @@ def prepare_like_runner(model: nn.Module, device: torch.device) -> Callable:
     return compute_logits
 
 
+def _block_copy(name: str) -> bool:
+    """Whether `name` is a linear's second copy in GGUF blocks (exec/gguf_block_linears.py), which a
+    replacement from another file may lack: then it is dropped (copy_weights)."""
+    return name.endswith(".blocks") or name == _HEAD_BLOCKS
+
+
+def _replaceable(served: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in served.items()
+            if not (_block_copy(name) and (name not in new or new[name].shape != t.shape))}
+
+
 def check_same_layout(served: dict[str, torch.Tensor], new: dict[str, torch.Tensor], source: str) -> None:
-    """ValueError naming the first tensor whose name, shape or dtype differs."""
+    """ValueError naming the first tensor whose name, shape or dtype differs (but block copies, which
+    copy_weights drops where the replacement has none like them)."""
+    served = _replaceable(served, new)
+    new = {name: t for name, t in new.items() if not _block_copy(name) or name in served}
     missing, extra = sorted(set(served) - set(new)), sorted(set(new) - set(served))
     if missing or extra:
         raise ValueError(f"{source}: tensors differ from the served model's (missing {missing[:3]}, "
@@ -59,6 +74,9 @@ def copy_weights(served: dict[str, tuple[object, str]], new: dict[str, torch.Ten
     moved = 0
     for name, (owner, attr) in served.items():
         t = getattr(owner, attr)
+        if _block_copy(name) and (name not in new or new[name].shape != t.shape):
+            setattr(owner, attr, None)  # the bf16 copy alone serves: the blocks would be the old weights
+            continue
         if id(t) in done:  # a tied weight appears under two names
             continue
         done.add(id(t))
@@ -101,6 +119,8 @@ def weight_slots(model: nn.Module, compute_logits: Callable | None = None) -> di
                 out[dot + name] = (module, name)
     if isinstance(getattr(compute_logits, "packed", None), torch.Tensor):
         out["<packed lm head>"] = (compute_logits, "packed")
+    if isinstance(getattr(compute_logits, "blocks", None), torch.Tensor):
+        out[_HEAD_BLOCKS] = (compute_logits, "blocks")
     return out
 
 

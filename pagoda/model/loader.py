@@ -281,7 +281,8 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     cached = gguf_cache.lookup(source.path, _weights_kind(torch_dtype)) if use_cache else None
     if cached:
         try:
-            return quant_loader.requantize(_load_cached(cached, source, torch_dtype, device), quantization)
+            return _noted(quant_loader.requantize(_load_cached(cached, source, torch_dtype, device), quantization),
+                          quantization)
         except (MemoryError, torch.cuda.OutOfMemoryError):
             raise  # not the entry's fault
         except Exception as exc:  # a damaged entry only costs this start its speed, and is replaced
@@ -302,7 +303,16 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     net.eval()
     if source.is_gguf:
         _store_converted(source.path, torch_dtype, config, net)
-    return quant_loader.requantize(LoadedModel(net, config, arch, source, torch_dtype), quantization)
+    return _noted(quant_loader.requantize(LoadedModel(net, config, arch, source, torch_dtype), quantization),
+                  quantization)
+
+
+def _noted(loaded: LoadedModel, quantization: str | None) -> LoadedModel:
+    """`loaded` with its model's `gguf_file` set: the GGUF its float weights were dequantized from,
+    whose blocks the execution layer may keep beside them (exec/gguf_block_linears.py); else None."""
+    dequantized = loaded.source.is_gguf and quantization is None
+    loaded.model.gguf_file = str(loaded.source.path) if dequantized else None
+    return loaded
 
 
 def load_tokenizer(source: ModelSource):

@@ -107,6 +107,31 @@ def gguf_kept_tensors(reader, path) -> dict[str, tuple[str, int, int]]:
     return kept
 
 
+def gguf_blocks(path, config, types: tuple[str, ...], modules: set[str] | None = None) -> dict[str, list[QuantizedTensor]]:
+    """The blocks of the GGUF's 2-D weights of the given types as they lie in the file, by target
+    module (a merged projection's parts in order, only where all of them are of those types; only the
+    `modules` named, if given): for the execution layer to keep beside a dequantized model's weights
+    (exec/gguf_block_linears.py)."""
+    from pagoda.model.gguf_file import _field, _packed, open_gguf
+
+    reader = open_gguf(path, light=True)
+    arch = _field(reader, "general.architecture")
+    found: dict[str, dict[int, QuantizedTensor | None]] = {}
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        target = _target(t.name, len(t.shape))
+        if target is None or (modules is not None and target[0] not in modules):
+            continue
+        module, shard, count = target
+        counts[module] = count
+        kind = t.tensor_type.name
+        shape = tuple(int(d) for d in reversed(t.shape))
+        found.setdefault(module, {})[shard] = _packed(t, kind, shape, arch, config) if kind in types else None
+    release_file_pages(reader)
+    return {module: [parts[i] for i in range(counts[module])] for module, parts in found.items()
+            if sorted(parts) == list(range(counts[module])) and all(p is not None for p in parts.values())}
+
+
 def replace_gguf_modules(net: nn.Module, kept: dict[str, tuple[str, int, int]], dtype: torch.dtype) -> None:
     """Swap (on the meta device, before any storage exists) the modules whose weights stay packed."""
     for module_path in {target for target, _, _ in kept.values()}:

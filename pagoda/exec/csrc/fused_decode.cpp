@@ -30,7 +30,7 @@ using SiluMulFn = torch::Tensor (*)(torch::Tensor);
 using DecodeFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double);
 using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
 using PrefillFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, double);
-using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
+using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t, const Opt&);
 using GemmI8Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
 using MoEFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
@@ -75,6 +75,7 @@ struct Linear {
   torch::Tensor packed, scale;
   int64_t n = 0;
   Opt bias;
+  Opt blocks;  // kind 1: the same weights in GGUF blocks, for a few rows (gemm_bf16.cpp)
   std::vector<torch::Tensor> qdata;
   std::vector<int64_t> qtype;
   std::vector<Opt> qscale;
@@ -297,7 +298,7 @@ class DecodePlan {
   }
 
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
-    if (l.kind == 1) return k_.gemm_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.bias, l.n);
+    if (l.kind == 1) return k_.gemm_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.bias, l.n, l.blocks);
     if (l.kind == 3 || l.kind == 4) {
       const GemmI8Fn f = l.kind == 3 ? k_.gemm_i8_bf16 : k_.gemm_int8;
       const torch::Tensor out = f(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.scale, Opt(), l.n);
@@ -326,15 +327,16 @@ Linear packed(torch::Tensor packed, Opt bias) {
   return l;
 }
 
-Linear gemm(torch::Tensor packed, Opt bias, int64_t n) {
+Linear gemm(torch::Tensor packed, Opt bias, int64_t n, Opt blocks) {
   Linear l = ::packed(packed, bias);
   l.kind = 1;
   l.n = n;
+  l.blocks = blocks;
   return l;
 }
 
 Linear gemm_i8(torch::Tensor packed, torch::Tensor scale, Opt bias, int64_t n) {
-  Linear l = gemm(packed, bias, n);
+  Linear l = gemm(packed, bias, n, Opt());
   l.kind = 3;
   l.scale = scale;
   return l;
@@ -364,7 +366,7 @@ Linear quantized(std::vector<torch::Tensor> data, std::vector<int64_t> types, st
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear");
   m.def("packed_linear", &packed);
-  m.def("gemm_linear", &gemm);
+  m.def("gemm_linear", &gemm, py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("blocks") = py::none());
   m.def("int8_gemm_linear", &gemm_i8);
   m.def("w8a8_linear", &w8a8);
   m.def("quant_linear", &quantized);

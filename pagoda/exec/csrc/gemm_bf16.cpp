@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "bf16_tile.h"
+#include "block_tile.h"
 
 namespace {
 
@@ -86,15 +87,56 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t n, at::Scalar
   TORCH_CHECK(n > 0 && n <= w.size(0) * kCols && n > (w.size(0) - 1) * kCols, "gemm_bf16: n does not match w");
 }
 
+// The few rows of x against the same weights kept in GGUF blocks (block_tile.h), q [ceil(N/64), K/32,
+// block_bytes]: one task a column block, each thread a contiguous range of them.
+void gemm_blocks(const torch::Tensor& x, const torch::Tensor& q, const std::vector<float>& b, int64_t n,
+                 torch::Tensor& y) {
+  const int64_t m = x.size(0), k = x.size(1), tasks = q.size(0), stride = q.size(1) * q.size(2);
+  const int bits = q.size(2) == block_bytes(4) ? 4 : 8;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+    float c[kBlockRowsMax][kCols];
+    const uint16_t* a[kBlockRowsMax];
+    for (int i = 0; i < m; ++i) a[i] = xp + i * x.stride(0);
+    for (int64_t t = tasks * th / nt; t < tasks * (th + 1) / nt; ++t) {
+      if (bits == 4) tile_blocks_rows<4>(static_cast<int>(m), a, qp + t * stride, k, c);
+      else tile_blocks_rows<8>(static_cast<int>(m), a, qp + t * stride, k, c);
+      const int64_t cols = std::min<int64_t>(kCols, n - t * kCols);
+      for (int i = 0; i < m; ++i)
+        store_row(c[i], cols, nullptr, b.empty() ? nullptr : b.data() + t * kCols, yp + i * n + t * kCols);
+    }
+  }
+}
+
+void check_blocks(const torch::Tensor& x, const torch::Tensor& q, int64_t n) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() &&
+                  (q.size(2) == block_bytes(4) || q.size(2) == block_bytes(8)),
+              "gemm_bf16: blocks [N/64, K/32, ", block_bytes(4), " or ", block_bytes(8), "] uint8");
+  TORCH_CHECK(q.size(1) * kBlockK == x.size(1) && q.size(0) * kCols >= n && n > (q.size(0) - 1) * kCols,
+              "gemm_bf16: blocks do not match x and n");
+}
+
 }  // namespace
 
 // x [M, K] bf16 (rows may be strided), w packed [ceil(N/64), K/2, 4, 16, 2] bf16, bias [N] or None.
-torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Opt& bias, int64_t n) {
+// q: the same weights in GGUF blocks (block_tile.h), which serve up to kBlockRowsMax rows.
+torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Opt& bias, int64_t n,
+                        const Opt& q) {
   check(x, w, n, at::kBFloat16);
   const int64_t m = x.size(0), k = x.size(1), blocks = w.size(0);
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
   const std::vector<float> b = column_floats(bias, n, "gemm_bf16", "bias");
+  if (q.has_value() && m <= kBlockRowsMax && built_with_avx512_bf16()) {
+    check_blocks(x, *q, n);
+    gemm_blocks(x, *q, b, n, y);
+    return y;
+  }
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -147,7 +189,8 @@ torch::Tensor gemm_i8_bf16(const torch::Tensor& x, const torch::Tensor& w, const
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_bf16", &gemm_bf16, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"));
+  m.def("gemm_bf16", &gemm_bf16, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"),
+        py::arg("q") = py::none());
   m.def("gemm_i8_bf16", &gemm_i8_bf16, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"));
   m.def("has_avx512_bf16", &pagoda_bf16::built_with_avx512_bf16);
   // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.

@@ -1,0 +1,100 @@
+// The bf16 micro-kernel over weights kept in a GGUF file's blocks (Q4_0, Q4_1, Q8_0) instead of
+// bf16: for the few-row GEMMs of a decode step, which are bound by reading the weights (a bf16
+// model loaded from such a file holds 2-3x the bytes the file does).
+//
+// Exact: each weight is widened in registers to the very bf16 value the loader makes of it
+// (gguf-py's float32 d * q + m, rounded to nearest even; d * q is exact in float32 for these
+// types, so one FMA gives the same float32), then summed with the same vdpbf16ps in the same order
+// as tile<M> (bf16_tile.h) over the bf16 copy: the same bits. exec/gguf_block_linears.py builds the
+// layout and checks, weight by weight, that it widens to the loaded bf16 values before using it.
+//
+// Layout of one task (64 output columns, as bf16_tile.h's) per k-block of 32: the columns' 64 scales
+// and then 64 offsets as float16 (kHeader bytes), then per pair of k the 64 columns' values: 4 bits,
+// one byte a column (k even in the low nibble, unsigned: Q4_0's -8 is in its offset), or 8 bits,
+// 64 bytes of k even then 64 of k odd (signed). Value = scale * q + offset.
+#pragma once
+
+#include "bf16_tile.h"
+
+namespace pagoda_bf16 {
+
+constexpr int kBlockK = 32;                        // k per GGUF block
+constexpr int64_t kHeader = 2 * kNB * kBlock * 2;  // a k-block's scales and offsets, float16
+constexpr int64_t block_bytes(int bits) { return kHeader + (kBlockK / 2) * kNB * kBlock * bits / 4; }
+
+// Rows at most for which the GEMM takes the blocks (gemm_bf16.cpp): beyond, the arithmetic, not the
+// read, bounds a step, and widening once per pass of rows costs more than the bytes it saves.
+constexpr int kBlockRowsMax = 4;
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// vdpbf16ps wants each 32-bit lane to hold one column's pair of k: [lo0, hi0, lo1, hi1, ...] from
+// the cvtne2ps result [lo0..lo15, hi0..hi15].
+inline __m512i pair_order() {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+  return _mm512_load_si512(idx);
+}
+#endif
+
+// c[m][col] = sum_k a[m][k] * w(k, col) over one task's blocks w (k a multiple of 32).
+template <int M, int Bits>
+void tile_blocks(const uint16_t* const* a, const uint8_t* w, int64_t k, float (*c)[kNB * kBlock]) {
+  constexpr int64_t kPair = kNB * kBlock * Bits / 4;  // bytes of values per pair of k
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const __m512i order = pair_order();
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  __m512 acc[M][kNB];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < kNB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / kBlockK; ++b) {
+    const uint8_t* blk = w + b * block_bytes(Bits);
+    __m512 scale[kNB], offset[kNB];
+    for (int j = 0; j < kNB; ++j) {
+      scale[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + j * 32)));
+      offset[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kHeader / 2 + j * 32)));
+    }
+    const uint8_t* q = blk + kHeader;
+    for (int p = 0; p < kBlockK / 2; ++p, q += kPair) {
+      for (int64_t line = 0; line < kPair; line += 64) _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetch + line, _MM_HINT_NTA);
+      __m512bh xv[M];
+      for (int m = 0; m < M; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, a[m] + b * kBlockK + 2 * p, sizeof(pair));
+        xv[m] = (__m512bh)_mm512_set1_epi32(pair);
+      }
+      for (int j = 0; j < kNB; ++j) {
+        __m512i lo, hi;
+        if constexpr (Bits == 4) {
+          const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16)));
+          lo = _mm512_and_si512(both, low4);
+          hi = _mm512_srli_epi32(both, 4);
+        } else {
+          lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16)));
+          hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kPair / 2 + j * 16)));
+        }
+        const __m512 flo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale[j], offset[j]);
+        const __m512 fhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale[j], offset[j]);
+        const __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
+        for (int m = 0; m < M; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < kNB; ++j) _mm512_storeu_ps(c[m] + j * kBlock, acc[m][j]);
+#else
+  (void)a, (void)w, (void)k, (void)c, (void)kPair;
+  TORCH_CHECK(false, "tile_blocks: built without AVX512-BF16");
+#endif
+}
+
+template <int Bits>
+void tile_blocks_rows(int rows, const uint16_t* const* a, const uint8_t* w, int64_t k, float (*c)[kNB * kBlock]) {
+  switch (rows) {
+    case 1: tile_blocks<1, Bits>(a, w, k, c); break;
+    case 2: tile_blocks<2, Bits>(a, w, k, c); break;
+    case 3: tile_blocks<3, Bits>(a, w, k, c); break;
+    default: tile_blocks<4, Bits>(a, w, k, c); break;
+  }
+}
+
+}  // namespace pagoda_bf16

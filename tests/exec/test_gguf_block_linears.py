@@ -1,0 +1,143 @@
+"""A GGUF-loaded bf16 model's second copy of its linears in the file's blocks
+(exec/gguf_block_linears.py, exec/csrc/block_tile.h): the blocks widen to the loader's bf16 values,
+the GEMM over them gives the bf16 GEMM's bits, a copy that does not widen to the weight is never
+used, the engine's greedy tokens and logprobs are the same with and without it, and a weight update
+from a file without blocks drops it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda import SamplingParams
+from pagoda.exec.cpu_linear import PackedLinear, PackedLMHead, gemm_kernel, pack_gemm
+from pagoda.exec.gguf_block_linears import block_copy, pack_blocks, widen_blocks
+from pagoda.exec.weight_tensors import check_same_layout, copy_weights
+from pagoda.model.loader import load_model
+from pagoda.model.quantized import QuantizedTensor
+from tests.conftest import make_engine
+
+gguf = pytest.importorskip("gguf")
+needs_gemm = pytest.mark.skipif(gemm_kernel() is None, reason="the CPU has no AVX512-BF16 (the bf16 GEMM is not used)")
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def _part(qtype: str, rows: int, cols: int, seed: int) -> QuantizedTensor:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2.0, (rows, 1))).astype(np.float32)
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    return QuantizedTensor(qtype, rows, cols, torch.from_numpy(np.ascontiguousarray(blocks)))
+
+
+def _loaded_bf16(parts: list[QuantizedTensor]) -> torch.Tensor:
+    """What the loader makes of the parts: gguf-py's float32 dequantization, rounded to bf16."""
+    return torch.cat([p.dequantize() for p in parts]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_blocks_widen_to_the_loaders_bf16_values(qtype):
+    parts = [_part(qtype, 200, 96, 1), _part(qtype, 70, 96, 2)]  # a merged projection, rows not a multiple of 64
+    blocks = pack_blocks(parts)
+    assert blocks.dtype == torch.uint8 and blocks.shape[:2] == (5, 3)
+    widened = widen_blocks(blocks, 270)
+    assert torch.equal(widened, _loaded_bf16(parts))
+    assert block_copy(parts, _loaded_bf16(parts)) is not None
+
+
+def test_a_copy_that_does_not_widen_to_the_weight_is_not_kept():
+    parts = [_part("Q4_1", 128, 64, 3)]
+    weight = _loaded_bf16(parts)
+    changed = weight.clone()
+    changed[77, 5] = changed[77, 5] * 2 + 1
+    assert block_copy(parts, changed) is None
+    assert block_copy(parts, weight[:100]) is None  # another shape (a tensor-parallel shard)
+    assert block_copy(parts, weight.float()) is None
+    assert block_copy([parts[0], _part("Q8_0", 64, 64, 4)], _loaded_bf16([parts[0], _part("Q8_0", 64, 64, 4)])) is None
+    k_quant = QuantizedTensor("Q4_K", 128, 256, torch.zeros(128, 144, dtype=torch.uint8))
+    assert block_copy([k_quant], torch.zeros(128, 256, dtype=torch.bfloat16)) is None
+
+
+@needs_gemm
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_gemm_over_blocks_gives_the_bf16_gemms_bits(qtype, rows):
+    """Up to 4 rows read the blocks, more the bf16 copy: the same bits either way."""
+    parts = [_part(qtype, 200, 576, rows)]
+    weight = _loaded_bf16(parts)
+    blocks, packed = pack_blocks(parts), pack_gemm(weight)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(2 * rows, 576, generator=g).to(torch.bfloat16)[::2]  # strided rows
+    bias = torch.randn(200, generator=g).to(torch.bfloat16)
+    for b in (None, bias):
+        want = gemm_kernel().gemm_bf16(x, packed, b, 200)
+        got = gemm_kernel().gemm_bf16(x, packed, b, 200, blocks)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    exact = x.double() @ weight.double().t()
+    assert ((got.double() - bias.double() - exact).abs() <= exact.abs() * 2.0**-7 + 0.05).all()
+
+
+@needs_gemm
+def test_gemm_refuses_blocks_of_another_shape():
+    parts = [_part("Q4_1", 128, 64, 5)]
+    with pytest.raises(RuntimeError, match="blocks do not match"):
+        gemm_kernel().gemm_bf16(torch.zeros(1, 128, dtype=torch.bfloat16),
+                                pack_gemm(torch.zeros(128, 128, dtype=torch.bfloat16)), None, 128, pack_blocks(parts))
+
+
+PROMPTS = [[5, 17, 99, 3], [200, 201, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [42]]
+
+
+def _greedy(path):
+    llm = make_engine(load_model(str(path), dtype="bfloat16"), num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+@needs_gemm
+@pytest.mark.parametrize("qtype", TYPES)
+def test_engine_output_is_the_same_with_and_without_blocks(tmp_path, monkeypatch, qtype):
+    from tests.model.test_gguf_and_errors import write_tiny_gguf
+    from tests.tiny_models import save_tiny_model
+
+    hf = save_tiny_model("llama_linear", tmp_path / "hf", hidden_size=256, intermediate_size=512, head_dim=64)
+    hf.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_tiny_gguf(hf, path, qtype)
+    with_blocks = _greedy(path)
+    loaded = load_model(str(path), dtype="bfloat16")
+    assert loaded.model.gguf_file == str(path)
+    make_engine(loaded, num_gpu_blocks_override=64)  # packs the runner's linears in place
+    linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.blocks is not None for m in linears)
+    monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "1")
+    without = _greedy(path)
+    assert with_blocks == without  # tokens and logprobs, exactly
+
+
+class _Holder:
+    def __init__(self, weight: torch.Tensor, blocks: torch.Tensor | None) -> None:
+        self.weight, self.blocks = weight, blocks
+
+
+def test_a_replacement_without_blocks_drops_the_served_copy():
+    """A served GGUF model updated from another file: its blocks would be the old weights, so they
+    go, and the bf16 copy (updated) serves alone."""
+    holder = _Holder(torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(1, 1, 1280, dtype=torch.uint8))
+    served = {"layer.weight": (holder, "weight"), "layer.blocks": (holder, "blocks")}
+    new = {"layer.weight": torch.ones(64, 32, dtype=torch.bfloat16)}
+    check_same_layout({name: getattr(o, a) for name, (o, a) in served.items()}, new, "new.safetensors")
+    copy_weights(served, new)
+    assert holder.blocks is None and torch.equal(holder.weight, new["layer.weight"])
+    with pytest.raises(ValueError, match="missing"):  # any other tensor still has to be there
+        check_same_layout({"layer.weight": holder.weight, "other.weight": holder.weight}, new, "new.safetensors")
+
+
+def test_the_head_keeps_its_blocks_only_where_they_widen_to_it():
+    parts = [_part("Q8_0", 96, 64, 6)]
+    weight = _loaded_bf16(parts)
+    head = PackedLMHead(weight, parts)
+    assert (head.blocks is not None) == (gemm_kernel() is not None)
+    assert PackedLMHead(weight * 2, parts).blocks is None
