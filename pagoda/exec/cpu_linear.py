@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from pagoda.exec.cpu_kernels import load_gemm_bf16
-from pagoda.exec.gguf_block_linears import block_copy, source_blocks
+from pagoda.exec.gguf_block_linears import pack_blocks, source_blocks
 from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.mmap_weights import release_pages
 
@@ -138,6 +138,15 @@ def _gemm_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return gemm_kernel().gemm_bf16(x, packed, bias, n, blocks).reshape(*shape[:-1], n)
 
 
+def block_copy(parts: list | None, packed: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The GGUF blocks `parts` (a linear's, in order) in the GEMM's block layout, where they widen to
+    the bf16 weights `packed` (pack_gemm's, of `rows` rows) value for value; else None."""
+    if not parts or sum(p.rows for p in parts) != rows or gemm_kernel() is None:
+        return None
+    blocks = pack_blocks(parts)
+    return blocks if blocks is not None and gemm_kernel().blocks_widen_to(blocks, packed) else None
+
+
 class PackedLMHead:
     """Logits through the bf16 GEMM or oneDNN, from a packed copy of the head weight (which the
     embedding still uses); `blocks`, for a few rows: the GGUF blocks it was dequantized from
@@ -147,7 +156,7 @@ class PackedLMHead:
         self.out_features = weight.shape[0]
         self.gemm = gemm_applies(weight)
         self.packed = pack_gemm(weight) if self.gemm else _pack(weight)
-        self.blocks = block_copy(parts, weight) if self.gemm else None
+        self.blocks = block_copy(parts, self.packed, weight.shape[0]) if self.gemm else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gemm:
@@ -164,7 +173,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gemm = gemm_applies(linear.weight)
         self.packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
-        self.blocks = block_copy(parts, linear.weight) if self.gemm else None  # as PackedLMHead's
+        self.blocks = block_copy(parts, self.packed, linear.out_features) if self.gemm else None  # as PackedLMHead's
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

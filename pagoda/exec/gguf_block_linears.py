@@ -5,8 +5,9 @@ Why: loaded from a GGUF, the weights are dequantized to bf16 once, and a decode 
 is bound by reading them (SmolLM2 from its Q4_1 file: 269 MB a token in bf16 against 98 MB as
 blocks, about 8.6 ms against 3 ms at a 2-core slice's ~31 GB/s). The kernel widens each block in
 registers to the bf16 value the loader made of it and sums exactly as the bf16 GEMM does, so the
-results are the same bits; `block_copy` checks, before any use, that the blocks widen to the loaded
-weight value for value, and gives None (the bf16 copy alone) where they do not.
+results are the same bits; `cpu_linear.block_copy` checks, before any use, that the blocks widen to
+the loaded weight value for value (in C++, `blocks_widen_to`), and keeps none where they do not.
+`widen_blocks` is the same widening in torch: the layout's reference, for tests and benchmarks.
 
 Formats: Q4_0, Q4_1 and Q8_0 (value = d * q + m; gguf-py computes it in float32, where d * q is
 exact, and torch rounds it to bf16). One format per linear (a merged projection's parts alike).
@@ -92,16 +93,3 @@ def widen_blocks(blocks: torch.Tensor, n: int) -> torch.Tensor:
     offset = header[:, :, 1].float()[:, :, None, None, :]
     w = (q * scale + offset).to(torch.bfloat16)  # [T, nb, pair, 2, 64]
     return w.permute(0, 4, 1, 2, 3).reshape(tasks * _TASK_COLS, nb * _K)[:n]
-
-
-def block_copy(parts: list[QuantizedTensor] | None, weight: torch.Tensor) -> torch.Tensor | None:
-    """The parts as the kernel's blocks where they widen to `weight` (the loaded bf16 [N, K]) value
-    for value, else None."""
-    if not parts or weight.dtype != torch.bfloat16 or sum(p.rows for p in parts) != weight.shape[0]:
-        return None
-    blocks = pack_blocks(parts)
-    if blocks is None or blocks.shape[1] * _K != weight.shape[1]:
-        return None
-    if not torch.equal(widen_blocks(blocks, weight.shape[0]), weight.detach()):
-        return None
-    return blocks

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagoda import SamplingParams
-from pagoda.exec.cpu_linear import PackedLinear, PackedLMHead, gemm_kernel, pack_gemm
-from pagoda.exec.gguf_block_linears import block_copy, pack_blocks, widen_blocks
+from pagoda.exec.cpu_linear import PackedLinear, PackedLMHead, block_copy, gemm_kernel, pack_gemm
+from pagoda.exec.gguf_block_linears import pack_blocks, widen_blocks
 from pagoda.exec.weight_tensors import check_same_layout, copy_weights
 from pagoda.model.loader import load_model
 from pagoda.model.quantized import QuantizedTensor
@@ -42,20 +42,34 @@ def test_blocks_widen_to_the_loaders_bf16_values(qtype):
     assert blocks.dtype == torch.uint8 and blocks.shape[:2] == (5, 3)
     widened = widen_blocks(blocks, 270)
     assert torch.equal(widened, _loaded_bf16(parts))
-    assert block_copy(parts, _loaded_bf16(parts)) is not None
 
 
-def test_a_copy_that_does_not_widen_to_the_weight_is_not_kept():
+def _copy(parts, weight):
+    return block_copy(parts, pack_gemm(weight), weight.shape[0])
+
+
+@needs_gemm
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_kernels_widening_is_checked_value_for_value(qtype):
+    """What is kept is what the C++ check passes: blocks that widen to the weight, and no others."""
+    parts = [_part(qtype, 200, 96, 1), _part(qtype, 70, 96, 2)]
+    weight = _loaded_bf16(parts)
+    assert torch.equal(_copy(parts, weight), pack_blocks(parts))
+    for row, col in ((0, 0), (77, 5), (269, 95)):
+        changed = weight.clone()
+        changed[row, col] = changed[row, col] * 2 + 1
+        assert _copy(parts, changed) is None
+
+
+def test_a_copy_that_cannot_serve_the_weight_is_not_kept():
     parts = [_part("Q4_1", 128, 64, 3)]
     weight = _loaded_bf16(parts)
-    changed = weight.clone()
-    changed[77, 5] = changed[77, 5] * 2 + 1
-    assert block_copy(parts, changed) is None
-    assert block_copy(parts, weight[:100]) is None  # another shape (a tensor-parallel shard)
-    assert block_copy(parts, weight.float()) is None
-    assert block_copy([parts[0], _part("Q8_0", 64, 64, 4)], _loaded_bf16([parts[0], _part("Q8_0", 64, 64, 4)])) is None
+    assert _copy(parts, weight[:64]) is None  # another shape (a tensor-parallel shard)
+    mixed = [parts[0], _part("Q8_0", 64, 64, 4)]
+    assert _copy(mixed, _loaded_bf16(mixed)) is None  # one format per linear
     k_quant = QuantizedTensor("Q4_K", 128, 256, torch.zeros(128, 144, dtype=torch.uint8))
-    assert block_copy([k_quant], torch.zeros(128, 256, dtype=torch.bfloat16)) is None
+    assert _copy([k_quant], torch.zeros(128, 256, dtype=torch.bfloat16)) is None
+    assert _copy(None, weight) is None
 
 
 @needs_gemm

@@ -36,23 +36,76 @@ inline __m512i pair_order() {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// One pair of k of one block of 16 columns of a task, widened to bf16 as vdpbf16ps takes it:
+// [col0 k, col0 k+1, col1 k, ...]. q: the pair's values (k-block start + kHeader + p * pair bytes).
+template <int Bits>
+inline __m512bh widen_pair(const uint8_t* q, int j, __m512 scale, __m512 offset, __m512i order) {
+  constexpr int64_t kPair = kNB * kBlock * Bits / 4;
+  __m512i lo, hi;
+  if constexpr (Bits == 4) {
+    const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16)));
+    lo = _mm512_and_si512(both, _mm512_set1_epi32(0x0F));
+    hi = _mm512_srli_epi32(both, 4);
+  } else {
+    lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16)));
+    hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kPair / 2 + j * 16)));
+  }
+  const __m512 flo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale, offset);
+  const __m512 fhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale, offset);
+  return (__m512bh)_mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
+}
+
+// A k-block's scales and offsets for block j of its task's columns.
+inline void block_scales(const uint8_t* blk, int j, __m512& scale, __m512& offset) {
+  scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + j * 32)));
+  offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kHeader / 2 + j * 32)));
+}
+#endif
+
+// Whether one task's blocks q widen to its bf16 weights w, packed [K/2][4][16][2] (bf16_tile.h's
+// layout, which is the order widen_pair gives), value for value: +0 and -0 alike (Q4_0's zero is
+// +0 here and carries d's sign in gguf-py; a sum differs by it only in the sign of an exact zero).
+template <int Bits>
+bool task_widens_to(const uint8_t* q, const uint16_t* w, int64_t k) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  constexpr int64_t kPair = kNB * kBlock * Bits / 4;
+  const __m512i order = pair_order();
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+  for (int64_t b = 0; b < k / kBlockK; ++b) {
+    const uint8_t* blk = q + b * block_bytes(Bits);
+    for (int j = 0; j < kNB; ++j) {
+      __m512 scale, offset;
+      block_scales(blk, j, scale, offset);
+      for (int p = 0; p < kBlockK / 2; ++p) {
+        const __m512i got = (__m512i)widen_pair<Bits>(blk + kHeader + p * kPair, j, scale, offset, order);
+        const __m512i want = _mm512_loadu_si512(w + ((b * kBlockK / 2 + p) * kNB + j) * 2 * kBlock);
+        const __mmask32 differ = _mm512_cmpneq_epi16_mask(got, want);
+        const __mmask32 zeros = _mm512_testn_epi16_mask(_mm512_or_si512(got, want), magnitude);
+        if (differ & ~zeros) return false;
+      }
+    }
+  }
+  return true;
+#else
+  (void)q, (void)w, (void)k;
+  return false;
+#endif
+}
+
 // c[m][col] = sum_k a[m][k] * w(k, col) over one task's blocks w (k a multiple of 32).
 template <int M, int Bits>
 void tile_blocks(const uint16_t* const* a, const uint8_t* w, int64_t k, float (*c)[kNB * kBlock]) {
   constexpr int64_t kPair = kNB * kBlock * Bits / 4;  // bytes of values per pair of k
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const __m512i order = pair_order();
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
   __m512 acc[M][kNB];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < kNB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < k / kBlockK; ++b) {
     const uint8_t* blk = w + b * block_bytes(Bits);
     __m512 scale[kNB], offset[kNB];
-    for (int j = 0; j < kNB; ++j) {
-      scale[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + j * 32)));
-      offset[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kHeader / 2 + j * 32)));
-    }
+    for (int j = 0; j < kNB; ++j) block_scales(blk, j, scale[j], offset[j]);
     const uint8_t* q = blk + kHeader;
     for (int p = 0; p < kBlockK / 2; ++p, q += kPair) {
       for (int64_t line = 0; line < kPair; line += 64) _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetch + line, _MM_HINT_NTA);
@@ -63,18 +116,7 @@ void tile_blocks(const uint16_t* const* a, const uint8_t* w, int64_t k, float (*
         xv[m] = (__m512bh)_mm512_set1_epi32(pair);
       }
       for (int j = 0; j < kNB; ++j) {
-        __m512i lo, hi;
-        if constexpr (Bits == 4) {
-          const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16)));
-          lo = _mm512_and_si512(both, low4);
-          hi = _mm512_srli_epi32(both, 4);
-        } else {
-          lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16)));
-          hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kPair / 2 + j * 16)));
-        }
-        const __m512 flo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale[j], offset[j]);
-        const __m512 fhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale[j], offset[j]);
-        const __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
+        const __m512bh wv = widen_pair<Bits>(q, j, scale[j], offset[j], order);
         for (int m = 0; m < M; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
       }
     }

@@ -123,6 +123,25 @@ void check_blocks(const torch::Tensor& x, const torch::Tensor& q, int64_t n) {
 
 }  // namespace
 
+// Whether blocks q (block_tile.h) widen to the bf16 weights w (packed as gemm_bf16 takes them), value
+// for value: the check before a copy in blocks is used (exec/cpu_linear.py).
+bool blocks_widen_to(const torch::Tensor& q, const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 5 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "blocks_widen_to: w packed bf16");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous(), "blocks_widen_to: q uint8 blocks");
+  const int64_t tasks = q.size(0), k = w.size(1) * 2;
+  const int bits = q.size(2) == block_bytes(4) ? 4 : q.size(2) == block_bytes(8) ? 8 : 0;
+  if (bits == 0 || tasks != w.size(0) || q.size(1) * kBlockK != k || !built_with_avx512_bf16()) return false;
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  bool same = true;
+#pragma omp parallel for reduction(&& : same)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const uint8_t* tq = qp + t * q.size(1) * q.size(2);
+    same = same && (bits == 4 ? task_widens_to<4>(tq, wp + t * k * kCols, k) : task_widens_to<8>(tq, wp + t * k * kCols, k));
+  }
+  return same;
+}
+
 // x [M, K] bf16 (rows may be strided), w packed [ceil(N/64), K/2, 4, 16, 2] bf16, bias [N] or None.
 // q: the same weights in GGUF blocks (block_tile.h), which serve up to kBlockRowsMax rows.
 torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Opt& bias, int64_t n,
@@ -192,6 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"),
         py::arg("q") = py::none());
   m.def("gemm_i8_bf16", &gemm_i8_bf16, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"));
+  m.def("blocks_widen_to", &blocks_widen_to, py::arg("q"), py::arg("w"));
   m.def("has_avx512_bf16", &pagoda_bf16::built_with_avx512_bf16);
   // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
   m.def("_addresses", [] {
