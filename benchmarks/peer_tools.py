@@ -133,9 +133,34 @@ def gemm_rate(dtype_name: str, out: Path, reps: int = 10) -> int:
         "lm_head_params": cfg.vocab_size * cfg.hidden_size,
     }
     record["read_gb_s"] = read_rate()
+    record["gguf_block_bytes"] = _block_bytes(dtype)
     out.write_text(json.dumps(record, indent=2))
     print(f"torch {dtype_name} GEMM {m}x{k}x{n}: {record['gflops']:.1f} GFLOP/s; memory read {record['read_gb_s']:.1f} GB/s")
     return 0
+
+
+def _block_bytes(dtype) -> int | None:
+    """The bytes a one-row decode step reads where Pagoda keeps the default GGUF's blocks beside its
+    bf16 weights (exec/gguf_block_linears.py: Q4_0/Q4_1 at 5 bits a weight, Q8_0 at 9, the rest
+    bf16), or None where it keeps none (another dtype, no AVX512-BF16, PAGODA_NO_GGUF_BLOCKS=1)."""
+    import math
+
+    import torch
+
+    from pagoda.exec.cpu_linear import gemm_kernel
+    from pagoda.model.gguf_file import open_gguf
+    from pagoda.model.loader import resolve_model
+
+    if dtype != torch.bfloat16 or gemm_kernel() is None or os.environ.get("PAGODA_NO_GGUF_BLOCKS") == "1":
+        return None
+    source = resolve_model(None)
+    if not source.is_gguf:
+        return None
+    tensors = [t for t in open_gguf(source.path, light=True).tensors if len(t.shape) == 2]
+    if any(t.name == "output.weight" for t in tensors):  # an untied head: the embedding is not read whole
+        tensors = [t for t in tensors if t.name != "token_embd.weight"]
+    per_weight = {"Q4_0": 5 / 8, "Q4_1": 5 / 8, "Q8_0": 9 / 8}
+    return int(sum(math.prod(int(d) for d in t.shape) * per_weight.get(t.tensor_type.name, 2) for t in tensors))
 
 
 def read_rate(nbytes: int = 1 << 30, reps: int = 5) -> float:
@@ -170,6 +195,8 @@ def decode_bound(out_dir: Path) -> str | None:
     quantization = os.environ.get("QUANTIZATION") or None
     if quantization == "gguf":  # the blocks as the file holds them, read once a step (the tied head too)
         weight_bytes, kind = os.path.getsize(os.environ["GGUF"]), "packed GGUF"
+    elif quantization is None and rate.get("gguf_block_bytes"):  # one row reads the GGUF's blocks
+        weight_bytes, kind = rate["gguf_block_bytes"], f"{rate['dtype']} (GGUF blocks where the GEMM reads them)"
     elif quantization is None:
         elt = torch.empty((), dtype=getattr(torch, rate["dtype"])).element_size()
         weight_bytes, kind = (rate["non_embedding_params"] + rate["lm_head_params"]) * elt, rate["dtype"]

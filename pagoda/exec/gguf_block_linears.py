@@ -72,24 +72,25 @@ def pack_blocks(parts: list[QuantizedTensor]) -> torch.Tensor | None:
     tasks = (n + pad) // _TASK_COLS
     header = torch.stack([scale, offset]).view(2, tasks, _TASK_COLS, nb).permute(1, 3, 0, 2)  # [T, nb, 2, 64]
     header = header.contiguous().view(torch.uint8).reshape(tasks, nb, -1)
-    pairs = q.view(tasks, _TASK_COLS, nb, _K // 2, 2).permute(0, 2, 3, 4, 1)  # [T, nb, pair, even/odd, 64]
+    # [T, nb, pair, block of 16 columns, half (columns 0-7, 8-15), column in the half, k even/odd]
+    pairs = q.view(tasks, 4, 2, 8, nb, _K // 2, 2).permute(0, 4, 5, 1, 2, 3, 6)
     if q.dtype == torch.int8:
         values = pairs.contiguous().view(torch.uint8).reshape(tasks, nb, -1)
     else:
-        values = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(tasks, nb, -1)
+        values = (pairs[:, :, :, :, 0] | (pairs[:, :, :, :, 1] << 4)).reshape(tasks, nb, -1)
     return torch.cat([header, values], dim=-1).contiguous()
 
 
 def widen_blocks(blocks: torch.Tensor, n: int) -> torch.Tensor:
     """The bf16 [n, K] matrix that `blocks` (pack_blocks) stands for, as the kernel widens it."""
     tasks, nb, nbytes = blocks.shape
-    header = blocks[..., : 4 * _TASK_COLS].contiguous().view(torch.float16).reshape(tasks, nb, 2, _TASK_COLS)
-    values = blocks[..., 4 * _TASK_COLS:].reshape(tasks, nb, _K // 2, -1)
-    if values.shape[-1] == _TASK_COLS:  # 4 bits: k even in the low nibble
-        q = torch.stack([values & 0x0F, values >> 4], dim=3).float()
+    header = blocks[..., : 4 * _TASK_COLS].contiguous().view(torch.float16).reshape(tasks, nb, 2, 4, 2, 8)
+    values = blocks[..., 4 * _TASK_COLS:].reshape(tasks, nb, _K // 2, 4, -1)
+    if values.shape[-1] == 16:  # 4 bits: columns 0-7 of a block in the low nibbles, 8-15 in the high
+        q = torch.stack([values & 0x0F, values >> 4], dim=4).view(tasks, nb, _K // 2, 4, 2, 8, 2).float()
     else:
-        q = values.reshape(tasks, nb, _K // 2, 2, _TASK_COLS).contiguous().view(torch.int8).float()
-    scale = header[:, :, 0].float()[:, :, None, None, :]
-    offset = header[:, :, 1].float()[:, :, None, None, :]
-    w = (q * scale + offset).to(torch.bfloat16)  # [T, nb, pair, 2, 64]
-    return w.permute(0, 4, 1, 2, 3).reshape(tasks * _TASK_COLS, nb * _K)[:n]
+        q = values.contiguous().view(torch.int8).view(tasks, nb, _K // 2, 4, 2, 8, 2).float()
+    scale = header[:, :, 0].float()[:, :, None, :, :, :, None]
+    offset = header[:, :, 1].float()[:, :, None, :, :, :, None]
+    w = (q * scale + offset).to(torch.bfloat16)  # [T, nb, pair, block, half, column, k even/odd]
+    return w.permute(0, 3, 4, 5, 1, 2, 6).reshape(tasks * _TASK_COLS, nb * _K)[:n]

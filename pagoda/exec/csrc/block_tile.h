@@ -5,13 +5,15 @@
 // Exact: each weight is widened in registers to the very bf16 value the loader makes of it
 // (gguf-py's float32 d * q + m, rounded to nearest even; d * q is exact in float32 for these
 // types, so one FMA gives the same float32), then summed with the same vdpbf16ps in the same order
-// as tile<M> (bf16_tile.h) over the bf16 copy: the same bits. exec/gguf_block_linears.py builds the
-// layout and checks, weight by weight, that it widens to the loaded bf16 values before using it.
+// as tile<M> (bf16_tile.h) over the bf16 copy: the same bits (Q4_0: but the sign of a sum that is
+// exactly zero, its zero weights being +0 here). exec/gguf_block_linears.py builds the layout, and
+// task_widens_to checks that it widens to the loaded bf16 values before it is used.
 //
 // Layout of one task (64 output columns, as bf16_tile.h's) per k-block of 32: the columns' 64 scales
-// and then 64 offsets as float16 (kHeader bytes), then per pair of k the 64 columns' values: 4 bits,
-// one byte a column (k even in the low nibble, unsigned: Q4_0's -8 is in its offset), or 8 bits,
-// 64 bytes of k even then 64 of k odd (signed). Value = scale * q + offset.
+// and then 64 offsets as float16 (kHeader bytes), then per pair of k, per block of 16 columns, the
+// values in the order [c0 k, c0 k+1, c1 k, ..., c15 k+1]: 4 bits, 16 bytes, column c's k + e in
+// byte 2c + e (c < 8) low nibble or byte 2(c - 8) + e high nibble (unsigned: Q4_0's -8 is in its
+// offset); 8 bits, 32 bytes in that order (signed). Value = scale * q + offset.
 #pragma once
 
 #include "bf16_tile.h"
@@ -27,39 +29,40 @@ constexpr int64_t block_bytes(int bits) { return kHeader + (kBlockK / 2) * kNB *
 constexpr int kBlockRowsMax = 4;
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// vdpbf16ps wants each 32-bit lane to hold one column's pair of k: [lo0, hi0, lo1, hi1, ...] from
-// the cvtne2ps result [lo0..lo15, hi0..hi15].
-inline __m512i pair_order() {
-  alignas(64) int16_t idx[32];
-  for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(16 + i);
-  return _mm512_load_si512(idx);
-}
-#endif
+// A k-block's scales and offsets for block j of a task's columns, in the lanes of widen_pair's two
+// halves: [s0, s0, s1, s1, ..., s7, s7] and [s8, s8, ..., s15, s15].
+struct PairScales {
+  __m512 scale[2], offset[2];
+};
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// One pair of k of one block of 16 columns of a task, widened to bf16 as vdpbf16ps takes it:
-// [col0 k, col0 k+1, col1 k, ...]. q: the pair's values (k-block start + kHeader + p * pair bytes).
+inline PairScales block_scales(const uint8_t* blk, int j) {
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + j * 32)));
+  const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kHeader / 2 + j * 32)));
+  const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  return {{_mm512_permutexvar_ps(lo, s), _mm512_permutexvar_ps(hi, s)},
+          {_mm512_permutexvar_ps(lo, o), _mm512_permutexvar_ps(hi, o)}};
+}
+
+// One pair of k of one block of 16 columns of a task, widened to bf16 in vdpbf16ps' order,
+// [col0 k, col0 k+1, col1 k, ...]: the layout puts columns 0-7's values in the first half's lanes
+// and 8-15's in the second's, so that vcvtne2ps2bf16 of the two halves is that order. q: the pair's
+// values (k-block start + kHeader + p * pair bytes). (Turning a nibble into its float by a 16-entry
+// vpermps table instead of a mask and a conversion measured the same.)
 template <int Bits>
-inline __m512bh widen_pair(const uint8_t* q, int j, __m512 scale, __m512 offset, __m512i order) {
-  constexpr int64_t kPair = kNB * kBlock * Bits / 4;
-  __m512i lo, hi;
+inline __m512bh widen_pair(const uint8_t* q, int j, const PairScales& s) {
+  __m512 lo, hi;
   if constexpr (Bits == 4) {
     const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16)));
-    lo = _mm512_and_si512(both, _mm512_set1_epi32(0x0F));
-    hi = _mm512_srli_epi32(both, 4);
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(0x0F)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4));
   } else {
-    lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 16)));
-    hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kPair / 2 + j * 16)));
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 32))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 32 + 16))));
   }
-  const __m512 flo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale, offset);
-  const __m512 fhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale, offset);
-  return (__m512bh)_mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
-}
-
-// A k-block's scales and offsets for block j of its task's columns.
-inline void block_scales(const uint8_t* blk, int j, __m512& scale, __m512& offset) {
-  scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + j * 32)));
-  offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kHeader / 2 + j * 32)));
+  lo = _mm512_fmadd_ps(lo, s.scale[0], s.offset[0]);
+  hi = _mm512_fmadd_ps(hi, s.scale[1], s.offset[1]);
+  return _mm512_cvtne2ps_pbh(hi, lo);
 }
 #endif
 
@@ -70,15 +73,13 @@ template <int Bits>
 bool task_widens_to(const uint8_t* q, const uint16_t* w, int64_t k) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   constexpr int64_t kPair = kNB * kBlock * Bits / 4;
-  const __m512i order = pair_order();
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   for (int64_t b = 0; b < k / kBlockK; ++b) {
     const uint8_t* blk = q + b * block_bytes(Bits);
     for (int j = 0; j < kNB; ++j) {
-      __m512 scale, offset;
-      block_scales(blk, j, scale, offset);
+      const PairScales scales = block_scales(blk, j);
       for (int p = 0; p < kBlockK / 2; ++p) {
-        const __m512i got = (__m512i)widen_pair<Bits>(blk + kHeader + p * kPair, j, scale, offset, order);
+        const __m512i got = (__m512i)widen_pair<Bits>(blk + kHeader + p * kPair, j, scales);
         const __m512i want = _mm512_loadu_si512(w + ((b * kBlockK / 2 + p) * kNB + j) * 2 * kBlock);
         const __mmask32 differ = _mm512_cmpneq_epi16_mask(got, want);
         const __mmask32 zeros = _mm512_testn_epi16_mask(_mm512_or_si512(got, want), magnitude);
@@ -98,14 +99,13 @@ template <int M, int Bits>
 void tile_blocks(const uint16_t* const* a, const uint8_t* w, int64_t k, float (*c)[kNB * kBlock]) {
   constexpr int64_t kPair = kNB * kBlock * Bits / 4;  // bytes of values per pair of k
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const __m512i order = pair_order();
   __m512 acc[M][kNB];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < kNB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < k / kBlockK; ++b) {
     const uint8_t* blk = w + b * block_bytes(Bits);
-    __m512 scale[kNB], offset[kNB];
-    for (int j = 0; j < kNB; ++j) block_scales(blk, j, scale[j], offset[j]);
+    PairScales scales[kNB];
+    for (int j = 0; j < kNB; ++j) scales[j] = block_scales(blk, j);
     const uint8_t* q = blk + kHeader;
     for (int p = 0; p < kBlockK / 2; ++p, q += kPair) {
       for (int64_t line = 0; line < kPair; line += 64) _mm_prefetch(reinterpret_cast<const char*>(q) + kPrefetch + line, _MM_HINT_NTA);
@@ -116,7 +116,7 @@ void tile_blocks(const uint16_t* const* a, const uint8_t* w, int64_t k, float (*
         xv[m] = (__m512bh)_mm512_set1_epi32(pair);
       }
       for (int j = 0; j < kNB; ++j) {
-        const __m512bh wv = widen_pair<Bits>(q, j, scale[j], offset[j], order);
+        const __m512bh wv = widen_pair<Bits>(q, j, scales[j]);
         for (int m = 0; m < M; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
       }
     }
