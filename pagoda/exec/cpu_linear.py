@@ -27,7 +27,7 @@ products bound by reading the weights, where oneDNN's blocking for many rows fal
 within a few per cent at 2,048, and it builds nothing per row count. One packed copy per weight: the
 plain one is dropped (the tied head's is the embedding's, which stays). PAGODA_NO_BF16_GEMM=1 gives
 those linears back to oneDNN. A model dequantized from a GGUF file keeps a second copy in the file's
-blocks where they widen to the same bf16 values, which the GEMM reads for up to 4 rows
+blocks where they widen to the same bf16 values, which the GEMM reads for up to 8 rows
 (gguf_block_linears: SmolLM2's Q4_1 linears and Q8_0 head, 98 MB against 269 MB a decode step).
 """
 

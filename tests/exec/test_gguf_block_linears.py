@@ -74,9 +74,10 @@ def test_a_copy_that_cannot_serve_the_weight_is_not_kept():
 
 @needs_gemm
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 def test_gemm_over_blocks_gives_the_bf16_gemms_bits(qtype, rows):
-    """Up to 4 rows read the blocks, more the bf16 copy: the same bits either way."""
+    """Up to 8 rows read the blocks (4 in one pass, 5-8 in two halves), more the bf16 copy: the same
+    bits either way."""
     parts = [_part(qtype, 200, 576, rows)]
     weight = _loaded_bf16(parts)
     blocks, packed = pack_blocks(parts), pack_gemm(weight)
