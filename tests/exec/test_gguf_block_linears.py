@@ -156,3 +156,24 @@ def test_the_head_keeps_its_blocks_only_where_they_widen_to_it():
     head = PackedLMHead(weight, parts)
     assert (head.blocks is not None) == (gemm_kernel() is not None)
     assert PackedLMHead(weight * 2, parts).blocks is None
+
+
+@needs_gemm
+def test_smollm2_bf16_decodes_through_its_blocks_to_the_same_tokens(monkeypatch, smollm2_tokenizer, smollm2_prompt_ids):
+    """The default model in bf16: its 120 linears and its head keep their Q4_1 / Q8_0 blocks, and
+    decode steps of 1 and of 8 rows (which take them) give the tokens and logprobs of the bf16 copy
+    alone, which tests/model/test_smollm2_reference.py holds to transformers."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+    def run(blocks: bool):
+        monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "0" if blocks else "1")
+        loaded = load_model(None, dtype="bfloat16")
+        llm = make_engine(loaded, smollm2_tokenizer, enable_prefix_caching=False, num_gpu_blocks_override=256)
+        linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+        assert len(linears) == 120 and all((m.blocks is not None) == blocks for m in linears)
+        outs = llm.generate([{"prompt_token_ids": p} for p in smollm2_prompt_ids[:8]], params, use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": smollm2_prompt_ids[9]}], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outs]
+
+    assert run(True) == run(False)
