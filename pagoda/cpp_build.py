@@ -58,7 +58,9 @@ def cflags() -> tuple[str, ...]:
     isa = cpu_isa()
     if isa == "native":
         return CFLAGS
-    return tuple(f"-march={_ISA_LEVELS[isa][0]}" if f == "-march=native" else f for f in CFLAGS) + ("-mtune=native",)
+    # The define tells run-time choices in C++ (quant_matmul.cpp) the level this build is held to.
+    return tuple(f"-march={_ISA_LEVELS[isa][0]}" if f == "-march=native" else f for f in CFLAGS) + (
+        "-mtune=native", f"-DPAGODA_CPU_LEVEL_{isa.upper()}")
 
 
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)

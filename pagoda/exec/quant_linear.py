@@ -21,8 +21,8 @@ for oneDNN above the few rows.
 
 The path is picked at run time from the CPU (avx512_vnni, else avx2_int8, else scalar);
 PAGODA_QUANT_ISA forces another: avx512 or avx2 (the float paths, dot products in fp32 over
-dequantized blocks), avx2_int8, scalar. Under PAGODA_CPU_ISA=avx2 (cpp_build) the AVX-512 ones are
-refused, as on an AVX2-only CPU.
+dequantized blocks), avx2_int8, scalar. In a build for PAGODA_CPU_ISA=avx2 (cpp_build) the AVX-512 ones
+are refused, as on an AVX2-only CPU.
 """
 
 from __future__ import annotations

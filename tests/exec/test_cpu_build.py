@@ -82,6 +82,10 @@ def test_an_avx2_level_builds_and_chooses_as_an_avx2_cpu(monkeypatch, tmp_path: 
     assert "-march=native" in cpp_build.cflags()
     monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
     assert "-march=x86-64-v3" in cpp_build.cflags() and "-march=native" not in cpp_build.cflags()
+    assert "-DPAGODA_CPU_LEVEL_AVX2" in cpp_build.cflags()  # what quant_matmul.cpp's choice reads
+    monkeypatch.setenv("PAGODA_CPU_ISA", " AVX2 ")  # as cpu_isa reads it: the same level
+    assert "-DPAGODA_CPU_LEVEL_AVX2" in cpp_build.cflags()
+    monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
     assert cpu_flags().split() == ["avx", "avx2", "fma", "sse4_2"]
     assert not loader.cpu_has_bf16()
     assert build_key(source) != native

@@ -13,14 +13,14 @@
 // scalar code (quant_blocks.h) is that arithmetic written out; the AVX-512 and AVX2 float versions
 // of the hot types compute the same values (one FMA where gguf-py rounds a multiply and an add:
 // within fp32 rounding). Which one runs is chosen at run time from the CPU (`__builtin_cpu_supports`:
-// the integer paths where they run; under PAGODA_CPU_ISA=avx2, cpp_build.py, as on an AVX2-only CPU),
+// the integer paths where they run; in a build for PAGODA_CPU_ISA=avx2, cpp_build.py, which defines
+// PAGODA_CPU_LEVEL_AVX2, as on an AVX2-only CPU),
 // or forced with `set_isa` (tests run every path on one machine).
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
@@ -39,10 +39,13 @@ int float_isa(int isa) { return isa == AVX512_VNNI ? AVX512 : isa == AVX2_INT8 ?
 
 bool cpu_runs(int isa) {
   __builtin_cpu_init();
-  const char* level = std::getenv("PAGODA_CPU_ISA");
+#if defined(PAGODA_CPU_LEVEL_AVX2)
+  constexpr bool held_to_avx2 = true;
+#else
+  constexpr bool held_to_avx2 = false;
+#endif
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  const bool avx512 = avx2 && !(level != nullptr && std::string(level) == "avx2") &&
-                      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  const bool avx512 = avx2 && !held_to_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl");
   switch (isa) {
     case AVX2: case AVX2_INT8: return avx2;
