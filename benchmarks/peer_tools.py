@@ -148,6 +148,7 @@ def _block_bytes(dtype) -> int | None:
     import torch
 
     from pagoda.exec.cpu_linear import gemm_kernel
+    from pagoda.exec.gguf_block_linears import BYTES_PER_WEIGHT
     from pagoda.model.gguf_file import open_gguf
     from pagoda.model.loader import resolve_model
 
@@ -159,8 +160,7 @@ def _block_bytes(dtype) -> int | None:
     tensors = [t for t in open_gguf(source.path, light=True).tensors if len(t.shape) == 2]
     if any(t.name == "output.weight" for t in tensors):  # an untied head: the embedding is not read whole
         tensors = [t for t in tensors if t.name != "token_embd.weight"]
-    per_weight = {"Q4_0": 5 / 8, "Q4_1": 5 / 8, "Q8_0": 9 / 8}
-    return int(sum(math.prod(int(d) for d in t.shape) * per_weight.get(t.tensor_type.name, 2) for t in tensors))
+    return int(sum(math.prod(int(d) for d in t.shape) * BYTES_PER_WEIGHT.get(t.tensor_type.name, 2) for t in tensors))
 
 
 def read_rate(nbytes: int = 1 << 30, reps: int = 5) -> float:

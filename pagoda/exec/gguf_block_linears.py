@@ -22,9 +22,13 @@ from torch import nn
 
 from pagoda.model.quantized import BLOCK_LAYOUT, QuantizedTensor
 
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # the formats the kernel takes, and its bits a value for each
+BLOCK_TYPES = tuple(_BITS)
 _TASK_COLS = 64  # output columns per task (block_tile.h)
 _K = 32  # k per block
+_HEADER = 4 * _TASK_COLS  # a task's k-block's scales and offsets, float16 (block_tile.h's kHeader)
+# Bytes per weight in the layout (the values and their share of the header), by format.
+BYTES_PER_WEIGHT = {kind: bits / 8 + _HEADER / (_TASK_COLS * _K) for kind, bits in _BITS.items()}
 
 
 def source_blocks(model: nn.Module, modules: set[str]) -> dict[str, list[QuantizedTensor]]:
@@ -84,8 +88,8 @@ def pack_blocks(parts: list[QuantizedTensor]) -> torch.Tensor | None:
 def widen_blocks(blocks: torch.Tensor, n: int) -> torch.Tensor:
     """The bf16 [n, K] matrix that `blocks` (pack_blocks) stands for, as the kernel widens it."""
     tasks, nb, nbytes = blocks.shape
-    header = blocks[..., : 4 * _TASK_COLS].contiguous().view(torch.float16).reshape(tasks, nb, 2, 4, 2, 8)
-    values = blocks[..., 4 * _TASK_COLS:].reshape(tasks, nb, _K // 2, 4, -1)
+    header = blocks[..., :_HEADER].contiguous().view(torch.float16).reshape(tasks, nb, 2, 4, 2, 8)
+    values = blocks[..., _HEADER:].reshape(tasks, nb, _K // 2, 4, -1)
     if values.shape[-1] == 16:  # 4 bits: columns 0-7 of a block in the low nibbles, 8-15 in the high
         q = torch.stack([values & 0x0F, values >> 4], dim=4).view(tasks, nb, _K // 2, 4, 2, 8, 2).float()
     else:

@@ -43,15 +43,15 @@ def _block_copy(name: str) -> bool:
     return name.endswith(".blocks") or name == _HEAD_BLOCKS
 
 
-def _replaceable(served: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: t for name, t in served.items()
-            if not (_block_copy(name) and (name not in new or new[name].shape != t.shape))}
+def _dropped(name: str, served: torch.Tensor, new: dict[str, torch.Tensor]) -> bool:
+    """Whether the served tensor `name` is a block copy the replacement has none like."""
+    return _block_copy(name) and (name not in new or new[name].shape != served.shape)
 
 
 def check_same_layout(served: dict[str, torch.Tensor], new: dict[str, torch.Tensor], source: str) -> None:
     """ValueError naming the first tensor whose name, shape or dtype differs (but block copies, which
     copy_weights drops where the replacement has none like them)."""
-    served = _replaceable(served, new)
+    served = {name: t for name, t in served.items() if not _dropped(name, t, new)}
     new = {name: t for name, t in new.items() if not _block_copy(name) or name in served}
     missing, extra = sorted(set(served) - set(new)), sorted(set(new) - set(served))
     if missing or extra:
@@ -74,7 +74,7 @@ def copy_weights(served: dict[str, tuple[object, str]], new: dict[str, torch.Ten
     moved = 0
     for name, (owner, attr) in served.items():
         t = getattr(owner, attr)
-        if _block_copy(name) and (name not in new or new[name].shape != t.shape):
+        if _dropped(name, t, new):
             setattr(owner, attr, None)  # the bf16 copy alone serves: the blocks would be the old weights
             continue
         if id(t) in done:  # a tied weight appears under two names

@@ -23,6 +23,8 @@ namespace pagoda_bf16 {
 constexpr int kBlockK = 32;                        // k per GGUF block
 constexpr int64_t kHeader = 2 * kNB * kBlock * 2;  // a k-block's scales and offsets, float16
 constexpr int64_t block_bytes(int bits) { return kHeader + (kBlockK / 2) * kNB * kBlock * bits / 4; }
+// The bits a value of a layout with k-blocks of `bytes` bytes: 4 or 8, else 0 (no such layout).
+constexpr int block_bits(int64_t bytes) { return bytes == block_bytes(4) ? 4 : bytes == block_bytes(8) ? 8 : 0; }
 
 // Rows at most for which the GEMM takes the blocks (gemm_bf16.cpp), in at most two passes
 // (tile_blocks_rows): more rows would widen every value once more per further pass, while the bf16

@@ -92,7 +92,7 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t n, at::Scalar
 void gemm_blocks(const torch::Tensor& x, const torch::Tensor& q, const std::vector<float>& b, int64_t n,
                  torch::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), tasks = q.size(0), stride = q.size(1) * q.size(2);
-  const int bits = q.size(2) == block_bytes(4) ? 4 : 8;
+  const int bits = block_bits(q.size(2));
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -114,8 +114,7 @@ void gemm_blocks(const torch::Tensor& x, const torch::Tensor& q, const std::vect
 }
 
 void check_blocks(const torch::Tensor& x, const torch::Tensor& q, int64_t n) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() &&
-                  (q.size(2) == block_bytes(4) || q.size(2) == block_bytes(8)),
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() && block_bits(q.size(2)) != 0,
               "gemm_bf16: blocks [N/64, K/32, ", block_bytes(4), " or ", block_bytes(8), "] uint8");
   TORCH_CHECK(q.size(1) * kBlockK == x.size(1) && q.size(0) * kCols >= n && n > (q.size(0) - 1) * kCols,
               "gemm_bf16: blocks do not match x and n");
@@ -129,7 +128,7 @@ bool blocks_widen_to(const torch::Tensor& q, const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 5 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "blocks_widen_to: w packed bf16");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous(), "blocks_widen_to: q uint8 blocks");
   const int64_t tasks = q.size(0), k = w.size(1) * 2;
-  const int bits = q.size(2) == block_bytes(4) ? 4 : q.size(2) == block_bytes(8) ? 8 : 0;
+  const int bits = block_bits(q.size(2));
   if (bits == 0 || tasks != w.size(0) || q.size(1) * kBlockK != k || !built_with_avx512_bf16()) return false;
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
