@@ -40,3 +40,9 @@ def load_gemm_int8():
 def load_gemm_bf16():
     """The compiled module (`gemm_bf16`, `gemm_i8_bf16`, `has_avx512_bf16`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
     return build_cpu_extension("pagoda_gemm_bf16", _CSRC / "gemm_bf16.cpp", "CPU bf16 GEMM")
+
+
+@lru_cache(maxsize=1)
+def load_greedy():
+    """The compiled module (`argmax_rows`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+    return build_cpu_extension("pagoda_greedy", _CSRC / "greedy.cpp", "CPU greedy argmax")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagoda.exec.cpu_kernels import load_greedy
 from pagoda.exec.sampler import (
     Sampler,
     SamplingMetadata,
     apply_penalties,
     apply_top_k_top_p,
+    greedy_ids,
     make_generator,
     sample_from_probs,
 )
@@ -79,6 +81,31 @@ def test_greedy_takes_the_first_of_tied_maxima_in_bf16_and_fp32() -> None:
         ids = sampler(logits.to(dtype), meta).token_ids
         assert ids[0] == 5 and bool((ids[1:] == 7).all())
         assert torch.equal(ids, logits.to(dtype).argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 33, 100, 1000])
+def test_cpu_argmax_kernel_gives_torchs_ids(dtype: torch.dtype, n: int) -> None:
+    # The C++ argmax (csrc/greedy.cpp) must choose what max(dim).indices chooses: the first maximum,
+    # a row's first NaN, +-inf as values; rows shorter than, equal to and past its 16 lanes, and rows
+    # that are a view with a stride.
+    kernel = load_greedy()
+    if kernel is None:
+        pytest.skip("the C++ kernels did not build here")
+    g = torch.Generator().manual_seed(n)
+    for trial in range(20):
+        x = torch.randint(-3, 4, (9, n + 3), generator=g).to(dtype)[:, 3:]  # many ties; a strided view
+        hit = torch.rand(x.shape, generator=g)
+        if trial % 4 == 1:
+            x[hit < 0.05] = float("nan")
+        elif trial % 4 == 2:
+            x[:] = float("-inf")
+            x[hit < 0.02] = float("inf")
+        elif trial % 4 == 3:
+            x[hit < 0.1] = float("inf")
+        expected = x.max(dim=-1).indices
+        assert torch.equal(kernel.argmax_rows(x), expected)
+        assert torch.equal(greedy_ids(x), expected)
 
 
 def test_bf16_logits_are_accepted() -> None:
