@@ -54,6 +54,36 @@ static inline __m512 sum16(const __m512* a) {
 // Which of a group's 16 tokens accumulator i holds, so that sum16 puts token l in lane l.
 constexpr int64_t token_of(int64_t i) { return (i % 4) * 4 + i / 4; }
 
+// The 16 dot products of q (D values) with 16 rows, `stride` apart from row0, token t in lane t. A
+// running pointer walks the rows, so their addresses take no registers of their own (16 row pointers
+// spilled, and q with them, when each row had one).
+static inline __m512 dots16(const uint16_t* q, const uint16_t* row0, int64_t stride, int64_t D) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+    const uint16_t* r = row0 + d;
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t, r += stride)
+      acc[token_of(t)] = _mm512_dpbf16_ps(acc[token_of(t)], qv, (__m512bh)_mm512_loadu_si512(r));
+  }
+  return sum16(acc);
+}
+
+// The same for rows given one by one (rows[i]: token token_of(i)'s row, or kZeroRow past the end).
+static inline __m512 dots_rows(const uint16_t* q, const uint16_t* const* rows, int64_t D) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(rows[i] + d));
+  }
+  return sum16(acc);
+}
+
 // The cache's view for one work item: rows of Hkv heads of D bf16, BS rows a block, blocks by the
 // sequence's table; the item takes KV heads [g0, g0 + ng), each with G query heads.
 struct Rows {
@@ -89,16 +119,9 @@ static inline void qk(const uint16_t* const* qh, const Rows& k, const Rows& v, i
         for (int64_t i = 0; i < 16; ++i) rows[i] = token_of(i) < n ? base + (j0 + token_of(i)) * stride : kZeroRow;
         const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
         for (int64_t h = gi * k.G; h < (gi + 1) * k.G; ++h) {
-          __m512 acc[16];
-#pragma GCC unroll 16
-          for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
           ahead.step();
-          for (int64_t d = 0; d < D; d += 32) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh[h] + d);
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(rows[i] + d));
-          }
-          _mm512_mask_storeu_ps(scores + h * S + bi * k.BS + j0, keep, _mm512_mul_ps(sum16(acc), vscale));
+          const __m512 dots = n == 16 ? dots16(qh[h], base + j0 * stride, stride, D) : dots_rows(qh[h], rows, D);
+          _mm512_mask_storeu_ps(scores + h * S + bi * k.BS + j0, keep, _mm512_mul_ps(dots, vscale));
         }
       }
     }
