@@ -10,10 +10,12 @@
 # uniform in [32, 512] (seed 0, random token ids), 128 output tokens each, greedy, EOS ignored.
 # Pagoda runs it offline (`pagoda bench throughput`); every server (pagoda serve, vLLM, llama.cpp) is
 # sent the very same 64 token-id prompts at once (`pagoda bench serve`, concurrency 64). Each row is
-# the median of RUNS runs; a served system is restarted for every run, so startup (launch to the
-# first answered 1-token completion) and peak RSS (each process's own peak, VmHWM, summed over the
-# server's process tree, read every 1 s) are per run too. Pagoda offline's startup and peak RSS are `bench throughput`'s
-# own (model load; ru_maxrss of its process).
+# the median of RUNS runs, taken in rounds: Pagoda offline's run i, then every peer's run i, then run
+# i + 1 (a machine's speed that drifts over minutes then weighs on every system alike). A served
+# system is restarted for every run, so startup (launch to the first answered 1-token completion)
+# and peak RSS (each process's own peak, VmHWM, summed over the server's process tree, read every
+# 1 s) are per run too. Pagoda offline's startup and peak RSS are `bench throughput`'s own (model
+# load; ru_maxrss of its process; one process a run: the median start-up, the highest peak).
 #
 # Every served system is also sent, in each run, one request at a time (benchmarks/short_request.py):
 # the short request ("Hello, my name is", 16 tokens, streamed, median of 10 after a warm-up: TTFT and
@@ -215,11 +217,11 @@ stop_server() {  # the server's whole session, by its id: SIGTERM, then SIGKILL 
     wait "$pid" 2>/dev/null
 }
 
-# run_served SYSTEM: RUNS fresh starts of SYSTEM's server, each driven by `pagoda bench serve`.
+# run_served SYSTEM I: run I of SYSTEM: a fresh start of its server, driven by `pagoda bench serve`.
 run_served() {
-    local system=$1 dir=$OUT/$1 i watch_pid
+    local system=$1 i=$2 dir=$OUT/$1 watch_pid
     mkdir -p "$dir"
-    for i in $(seq 1 "$RUNS"); do
+    {
         log "$system run $i/$RUNS"
         start_server "$system" "$dir/run-$i.log" || return 1
         "$PYTHON" "$TOOLS" rss-watch "$server_pid" "$dir/run-$i.rss" &
@@ -247,7 +249,7 @@ run_served() {
         wait "$watch_pid" 2>/dev/null
         stop_server "$server_pid"
         [ "$rc" = 0 ] || return 1
-    done
+    }
 }
 
 # run_cpu_serve SYSTEM: one start of SYSTEM's server, then RUNS CPU-serve loads of SERVE_N requests
@@ -291,14 +293,17 @@ GGUF=$("$PYTHON" "$TOOLS" gguf-path) || { echo "the default model is not install
 cpu_line | tee "$OUT/cpu.txt"
 log "model: $GGUF; workload: $N requests, prompts in [$LMIN, $LMAX], $OLEN output tokens; $RUNS run(s); results in $OUT"
 
-log "pagoda offline"
-if [ "${OFFLINE:-1}" = 0 ]; then
-    log "skipped (OFFLINE=0)"
-elif ! "$PAGODA" bench throughput --workload random --num-prompts "$N" --input-len-min "$LMIN" \
-    --input-len-max "$LMAX" --output-len "$OLEN" --seed 0 --runs "$RUNS" --dtype "$DTYPE" "${QUANT_ARGS[@]}" \
-    --json "$OUT/pagoda-offline.json" 2>&1 | tee "$OUT/pagoda-offline.log"; then
-    failed+=(pagoda-offline)
-fi
+# Rounds: each runs Pagoda offline once, then each peer's server once, so that a machine whose speed
+# drifts over minutes (this one's does: docs/perf-notes.md "2026-12-06 (late)") weighs on every system
+# alike, as `bench throughput` alternates Pagoda and transformers.
+peers=()
+for peer in $PEERS; do
+    case $peer in
+    vllm) install_vllm || { failed+=("vllm (install)"); continue; } ;;
+    llamacpp) install_llamacpp || { failed+=("llamacpp (build)"); continue; } ;;
+    esac
+    peers+=("$peer")
+done
 
 if [ "${OFFLINE:-1}" != 0 ]; then
     log "pagoda offline single stream (128-token prompt, 256 output tokens)"
@@ -309,13 +314,28 @@ fi
 log "torch GEMM rate ($DTYPE), for the compute bound"
 "$PYTHON" "$TOOLS" gemm-rate "$DTYPE" "$OUT/gemm-rate.json" || failed+=(gemm-rate)
 
-for peer in $PEERS; do
-    case $peer in
-    vllm) install_vllm || { failed+=("vllm (install)"); continue; } ;;
-    llamacpp) install_llamacpp || { failed+=("llamacpp (build)"); continue; } ;;
-    esac
-    run_served "$peer" || failed+=("$peer")
+offline_runs=()
+for i in $(seq 1 "$RUNS"); do
+    if [ "${OFFLINE:-1}" = 0 ]; then
+        [ "$i" = 1 ] && log "pagoda offline skipped (OFFLINE=0)"
+    else
+        log "pagoda offline run $i/$RUNS"
+        if "$PAGODA" bench throughput --workload random --num-prompts "$N" --input-len-min "$LMIN" \
+            --input-len-max "$LMAX" --output-len "$OLEN" --seed 0 --runs 1 --dtype "$DTYPE" "${QUANT_ARGS[@]}" \
+            --json "$OUT/pagoda-offline-run-$i.json" 2>&1 | tee -a "$OUT/pagoda-offline.log"; then
+            offline_runs+=("$OUT/pagoda-offline-run-$i.json")
+        else
+            failed+=("pagoda-offline (run $i)")
+        fi
+    fi
+    for peer in "${peers[@]}"; do
+        [[ " ${failed[*]} " == *" $peer "* ]] && continue  # a peer that failed a run sits out the rest
+        run_served "$peer" "$i" || failed+=("$peer")
+    done
 done
+if [ ${#offline_runs[@]} -gt 0 ]; then
+    "$PYTHON" "$TOOLS" merge-offline "$OUT/pagoda-offline.json" "${offline_runs[@]}" || failed+=(pagoda-offline)
+fi
 
 for peer in $SERVE_PEERS; do
     case $peer in

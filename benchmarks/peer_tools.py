@@ -6,6 +6,7 @@ peers, and print the comparison table. Each is a subcommand so the shell script 
     peer_tools.py export-hf FOLDER                    # the default GGUF as an HF folder (float32)
     peer_tools.py gguf-path                           # where the default model's GGUF lies
     peer_tools.py gemm-rate DTYPE OUT                 # torch's GEMM GFLOP/s and the model's sizes -> OUT (JSON)
+    peer_tools.py merge-offline OUT RUN.json...       # one `bench throughput` run a round -> one JSON
     peer_tools.py table OUT_DIR                       # the Markdown table from OUT_DIR's JSON files
     peer_tools.py serve-table OUT_DIR/cpu-serve       # the CPU-serve latency table
 """
@@ -303,6 +304,28 @@ def table(out_dir: Path) -> int:
     return 0
 
 
+def merge_offline(out: Path, run_files: list[Path]) -> int:
+    """`bench throughput` JSONs of one run each (one a round, between the peers' runs) as one file of
+    the same shape: every run in `runs`, the median run's figures in `median`, the median start-up and
+    the highest peak RSS."""
+    records = [json.loads(f.read_text()) for f in run_files if f.exists()]
+    if not records:
+        print("no Pagoda offline runs to merge", file=sys.stderr)
+        return 1
+    merged = records[0]
+    runs = [run for rec in records for run in rec["pagoda"]["runs"]]
+    by_total = sorted(runs, key=lambda r: r["total_tokens_per_s"])
+    merged["runs"] = len(runs)
+    merged["pagoda"] = {
+        "startup_s": _median([rec["pagoda"]["startup_s"] for rec in records]),
+        "peak_rss_mib": max(rec["pagoda"]["peak_rss_mib"] for rec in records),
+        "runs": runs,
+        "median": by_total[(len(by_total) - 1) // 2],
+    }
+    out.write_text(json.dumps(merged, indent=2))
+    return 0
+
+
 def serve_table(out_dir: Path) -> int:
     """CPU-serve: one row per system, medians over its runs of each run's p50 (and p90) latencies."""
     print("| system | runs | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | TPOT p50 ms | output tok/s | failed |")
@@ -335,6 +358,8 @@ def main(argv: list[str]) -> int:
         return gguf_path()
     if cmd == "gemm-rate":
         return gemm_rate(args[0], Path(args[1]))
+    if cmd == "merge-offline":
+        return merge_offline(Path(args[0]), [Path(a) for a in args[1:]])
     if cmd == "table":
         return table(Path(args[0]))
     if cmd == "serve-table":
