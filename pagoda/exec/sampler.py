@@ -70,6 +70,9 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return g
 
 
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ argmax takes
+
+
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row (the first one on ties, as argmax; a row's first NaN if it has one, as
     max(dim)). On the CPU, float32 and bf16 rows go through the C++ kernel (csrc/greedy.cpp: the same
@@ -80,9 +83,6 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
         if kernel is not None:
             return kernel.argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous())
     return logits.max(dim=-1).indices
-
-
-_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Sampler:

@@ -72,6 +72,8 @@ static inline __m512 dots16(const uint16_t* q, const uint16_t* row0, int64_t str
 }
 
 // The same for rows given one by one (rows[i]: token token_of(i)'s row, or kZeroRow past the end).
+// Kept apart from dots16: one loop over both forms (a row function) spilled again (0.49 against
+// 0.40 ms a warm layer).
 static inline __m512 dots_rows(const uint16_t* q, const uint16_t* const* rows, int64_t D) {
   __m512 acc[16];
 #pragma GCC unroll 16

@@ -12,9 +12,6 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <map>
-#include <string>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -22,21 +19,13 @@
 
 namespace {
 
-inline float value(float x) { return x; }
-inline float value(c10::BFloat16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // Elements [from, n) after a running (best, idx) over those before: the first NaN wins, else the
 // first strictly greater value.
 template <typename T>
 int64_t scan(const T* x, int64_t from, int64_t n, float best, int64_t idx) {
   if (std::isnan(best)) return idx;
   for (int64_t i = from; i < n; ++i) {
-    const float v = value(x[i]);
+    const float v = static_cast<float>(x[i]);
     if (std::isnan(v)) return i;
     if (v > best) best = v, idx = i;
   }
@@ -54,7 +43,7 @@ inline __m512 load16(const c10::BFloat16* p) {
 // maximum, the smallest index among the lanes that hold it, and the tail one by one.
 template <typename T>
 int64_t row_argmax(const T* x, int64_t n) {
-  if (n < 16) return scan(x, 1, n, value(x[0]), 0);
+  if (n < 16) return scan(x, 1, n, static_cast<float>(x[0]), 0);
   const int64_t body = n / 16 * 16;
   __m512 best = load16(x);
   __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -69,7 +58,7 @@ int64_t row_argmax(const T* x, int64_t n) {
     idx = _mm512_mask_mov_epi32(idx, gt, at);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   }
-  if (nan) return scan(x, 1, n, value(x[0]), 0);  // rare: the plain scan finds the first NaN
+  if (nan) return scan(x, 1, n, static_cast<float>(x[0]), 0);  // rare: the plain scan finds the first NaN
   const float top = _mm512_reduce_max_ps(best);
   const __mmask16 tied = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
   const int64_t first = _mm512_mask_reduce_min_epi32(tied, idx);
@@ -78,7 +67,7 @@ int64_t row_argmax(const T* x, int64_t n) {
 #else
 template <typename T>
 int64_t row_argmax(const T* x, int64_t n) {
-  return scan(x, 1, n, value(x[0]), 0);
+  return scan(x, 1, n, static_cast<float>(x[0]), 0);
 }
 #endif
 
