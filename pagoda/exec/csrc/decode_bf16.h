@@ -201,17 +201,17 @@ inline void decode(const uint16_t* q, int64_t qs0, int64_t qs1, const uint16_t* 
                    int64_t max_blocks, float scale, int64_t heads_kv) {
   const int64_t G = Hq / Hkv, items_per_seq = Hkv / heads_kv, nh = heads_kv * G;
   const auto tokens = [&](int64_t idx) { return pagoda_split::decode_item_cost(lens, idx, items_per_seq); };
-  pagoda_split::balanced_for(B * items_per_seq, tokens, [&](int64_t begin, int64_t end) {
+  pagoda_split::balanced_for(B * items_per_seq, tokens, [&](const pagoda_split::Queue& queue) {
     std::vector<float> acc(nh * D), inv(nh), scores;
     std::vector<const uint16_t*> qh(nh);
     // Item idx: sequence idx / items_per_seq, its K rows from KV head (idx % items_per_seq) * heads_kv.
     const auto k_rows = [&](int64_t idx) {
       return Rows{kc, bt + idx / items_per_seq * max_blocks, BS, Hkv, D, (idx % items_per_seq) * heads_kv, heads_kv, G};
     };
-    for (int64_t idx = begin; idx < end; ++idx) {
+    for (int64_t idx; (idx = queue.take()) >= 0;) {
       const Rows k = k_rows(idx), v{vc, k.table, BS, Hkv, D, k.g0, heads_kv, G};
       const int64_t b = idx / items_per_seq, hk0 = k.g0, S = lens[b];
-      const bool more = idx + 1 < end;  // then the last V block asks for the next item's first K block
+      const int64_t next = queue.peek();  // if any, the last V block asks for its first K block
       scores.resize(nh * S);
       for (int64_t h = 0; h < nh; ++h) qh[h] = q + b * qs0 + (hk0 * G + h) * qs1;
       qk(qh.data(), k, v, S, scale, scores.data());
@@ -219,7 +219,7 @@ inline void decode(const uint16_t* q, int64_t qs0, int64_t qs1, const uint16_t* 
         float* sh = &scores[h * S];
         inv[h] = 1.f / pagoda::exp_minus_max_(sh, S, pagoda::max_f32(sh, S, -std::numeric_limits<float>::infinity()));
       }
-      pv(scores.data(), v, S, acc.data(), k_rows(more ? idx + 1 : idx), more ? lens[(idx + 1) / items_per_seq] : 0);
+      pv(scores.data(), v, S, acc.data(), k_rows(next >= 0 ? next : idx), next >= 0 ? lens[next / items_per_seq] : 0);
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t d = 0; d < D; ++d)
           out[(b * Hq + hk0 * G + h) * D + d] = static_cast<c10::BFloat16>(acc[h * D + d] * inv[h]);

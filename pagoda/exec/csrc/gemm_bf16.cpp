@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "balanced_for.h"
 #include "bf16_tile.h"
 #include "block_tile.h"
 
@@ -160,15 +161,15 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Op
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int threads = at::get_num_threads();
   const Plan p = plan(m, blocks, threads);
+  // The plan's tasks are alike in cost (and their count a multiple of the threads where it can be),
+  // so equal contiguous ranges, with a thread that ends first taking the other's last tasks.
+  pagoda_split::Ranges ranges = pagoda_split::Ranges::even(p.tasks, threads);
 #pragma omp parallel num_threads(threads)
   {
-    // The plan's tasks are alike in cost (and their count a multiple of the threads where it can be),
-    // so equal contiguous ranges balance.
-    const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
-    const int64_t t1 = p.tasks * (th + 1) / nt;
-    for (int64_t t = p.tasks * th / nt; t < t1; ++t) {
-      const int64_t j = t / p.chunks, r0 = (t % p.chunks) * p.chunk, jn = (t + 1) / p.chunks;
-      const uint16_t* next = t + 1 < t1 && jn != j ? wp + jn * k * kCols : nullptr;
+    const int64_t th = omp_get_thread_num();
+    for (int64_t t; (t = ranges.take(th)) >= 0;) {
+      const int64_t j = t / p.chunks, r0 = (t % p.chunks) * p.chunk, tn = ranges.peek(th);
+      const uint16_t* next = tn >= 0 && tn / p.chunks != j ? wp + tn / p.chunks * k * kCols : nullptr;
       run_task(xp, x.stride(0), wp + j * k * kCols, k, r0, std::min(m, r0 + p.chunk), j * kCols, n, nullptr,
                b.empty() ? nullptr : b.data(), yp, n, false, next);
     }

@@ -191,9 +191,10 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
   }
 #endif
   const auto tokens = [&](int64_t idx) { return pagoda_split::decode_item_cost(lens, idx, items_per_seq); };
-  pagoda_split::balanced_for(B * items_per_seq, tokens, [&](int64_t begin, int64_t end) {
+  pagoda_split::balanced_for(B * items_per_seq, tokens, [&](const pagoda_split::Queue& queue) {
     std::vector<float> qf(nh * D), acc(nh * D), inv(nh), scores, buf(BS * row);
-    for (int64_t idx = begin; idx < end; ++idx) {
+    for (int64_t idx; (idx = queue.take()) >= 0;) {
+      const int64_t next = queue.peek();  // a hint: the item this thread takes next, unless another takes it
       const int64_t b = idx / items_per_seq, hk0 = (idx % items_per_seq) * heads_kv, h0 = hk0 * G;
       const int64_t S = lens[b];
       const int64_t* table = bt + b * max_blocks;
@@ -219,8 +220,8 @@ static void decode_kernel(const T* q, int64_t qs0, int64_t qs1, const C* kc, con
         const int64_t n = std::min(BS, S - t0);
         if (t0 + BS < S) {
           ask_block(ahead, vc, table[t0 / BS + 1], BS, Hkv, D, hk0, heads_kv, std::min(BS, S - t0 - BS), nh);
-        } else if (idx + 1 < end) {  // the first K block of the thread's next item, which would wait on memory
-          const int64_t b_next = (idx + 1) / items_per_seq, hk0_next = ((idx + 1) % items_per_seq) * heads_kv;
+        } else if (next >= 0) {  // the first K block of the thread's next item, which would wait on memory
+          const int64_t b_next = next / items_per_seq, hk0_next = (next % items_per_seq) * heads_kv;
           ask_block(ahead, kc, bt[b_next * max_blocks], BS, Hkv, D, hk0_next, heads_kv, std::min(BS, lens[b_next]), nh);
         } else {
           ahead.none();
