@@ -9,7 +9,7 @@
 //
 // Even ranges of equal cost do not end together: the cores of a shared machine run a few per cent
 // apart, at random, and one thread waited at the end of ~4-14 % of the bf16 GEMM's time in the
-// CPU-offline run (timestamps at each thread's end, 2026-12-07). So a thread runs its own range from
+// CPU-offline run (timestamps at each thread's end, 2026-12-06). So a thread runs its own range from
 // the front, and once it is empty takes items from the back of the range with the most left
 // (`Ranges`). A thread's next item is still its own next one unless taken, so what it asks for
 // ahead of time (the next weights, the next sequence's first KV block) is what it runs next.
