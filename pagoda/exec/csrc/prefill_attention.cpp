@@ -75,14 +75,32 @@ struct Bf16Scores {
   std::vector<const uint16_t*> rows_;  // the queries' rows, read where they are (unscaled)
   Bf16Scores(int64_t M, int64_t) : rows_(M) {}
   void load_q(int64_t r, const uint16_t* src, int64_t, float) { rows_[r] = src; }
+  // kt[p][j] = key j's pair p (zero for j >= nk): 16 x 16 transposes of 32-bit pairs (D % 32 == 0).
   static void pack_k(const uint16_t* kp, int64_t ks, int64_t nk, int64_t D, uint16_t* dst) {
     uint32_t* kt = reinterpret_cast<uint32_t*>(dst);
-    for (int64_t j = 0; j < BK; ++j) {
-      if (j < nk) {
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(kp + j * ks);
-        for (int64_t p = 0; p < D / 2; ++p) kt[p * BK + j] = src[p];
-      } else {
-        for (int64_t p = 0; p < D / 2; ++p) kt[p * BK + j] = 0;
+    for (int64_t j0 = 0; j0 < BK; j0 += 16)
+      for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i)
+          r[i] = j0 + i < nk ? _mm512_loadu_si512(kp + (j0 + i) * ks + 2 * p0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(kt + (p0 + i) * BK + j0, r[i]);
+      }
+  }
+  // r[i][c] becomes r[c][i] (16 x 16 32-bit values): swaps of the off-diagonal d x d blocks, d = 8, 4, 2, 1.
+  static void transpose16(__m512i* r) {
+    for (int d = 8; d >= 1; d /= 2) {
+      alignas(64) int32_t lo[16], hi[16];
+      for (int c = 0; c < 16; ++c) {
+        lo[c] = (c & d) ? 16 + c - d : c;  // row i keeps its columns without bit d, takes row i + d's
+        hi[c] = (c & d) ? 16 + c : c + d;  // row i + d takes row i's columns with bit d, keeps its own
+      }
+      const __m512i vlo = _mm512_load_si512(lo), vhi = _mm512_load_si512(hi);
+      for (int i = 0; i < 16; ++i) {
+        if (i & d) continue;
+        const __m512i a = r[i], b = r[i + d];
+        r[i] = _mm512_permutex2var_epi32(a, vlo, b);
+        r[i + d] = _mm512_permutex2var_epi32(a, vhi, b);
       }
     }
   }
@@ -145,6 +163,10 @@ struct Bf16Values {
     bool finite = true;
     for (int64_t t = 0; t < tasks; ++t) {
       uint16_t* dst = task(h, kb, t);
+      if ((t + 1) * kCols <= D) {
+        finite = pack_pairs(src + t * kCols, ks, nk, dst) && finite;
+        continue;
+      }
       for (int64_t j = 0; j < BK; ++j)
         for (int64_t c = 0; c < kCols; ++c) {
           const int64_t d = t * kCols + c;
@@ -154,6 +176,27 @@ struct Bf16Values {
         }
     }
     return finite;
+  }
+  // One task of 64 columns, all below D: rows 2i and 2i + 1 interleaved value by value (zero from
+  // row nk on); whether every value is finite.
+  static bool pack_pairs(const uint16_t* src, int64_t ks, int64_t nk, uint16_t* dst) {
+    static_assert(kCols == 64, "a task is two 32-value vectors a row");
+    alignas(64) int16_t lo[32], hi[32];  // columns 0-15 and 16-31 of a vector pair, each from row a then b
+    for (int c = 0; c < 16; ++c) lo[2 * c] = c, lo[2 * c + 1] = 32 + c, hi[2 * c] = 16 + c, hi[2 * c + 1] = 48 + c;
+    const __m512i vlo = _mm512_load_si512(lo), vhi = _mm512_load_si512(hi), exp = _mm512_set1_epi16(0x7F80);
+    const auto row = [&](int64_t j, int half) {
+      return j < nk ? _mm512_loadu_si512(src + j * ks + 32 * half) : _mm512_setzero_si512();
+    };
+    __mmask32 bad = 0;
+    for (int64_t j = 0; j < BK; j += 2, dst += 2 * kCols) {
+      for (int half = 0; half < 2; ++half) {
+        const __m512i a = row(j, half), b = row(j + 1, half);
+        bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(a, exp), exp) | _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, exp), exp);
+        _mm512_storeu_si512(dst + 64 * half, _mm512_permutex2var_epi16(a, vlo, b));
+        _mm512_storeu_si512(dst + 64 * half + 32, _mm512_permutex2var_epi16(a, vhi, b));
+      }
+    }
+    return bad == 0;
   }
   float value(int64_t h, int64_t kb, int64_t j, int64_t d) const {
     return pagoda_bf16::to_float(task(h, kb, d / kCols)[((j / 2) * kCols + d % kCols) * 2 + j % 2]);
