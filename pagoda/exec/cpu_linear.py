@@ -43,6 +43,7 @@ from torch import nn
 
 from pagoda.exec.cpu_kernels import load_gemm_bf16
 from pagoda.exec.gguf_block_linears import pack_blocks, source_blocks
+from pagoda.model.llama import LlamaMLP
 from pagoda.model.loader import cpu_has_bf16
 from pagoda.model.mmap_weights import release_pages
 
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 _ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows; any count works
 _TASK_COLS = 64  # output columns per task of the bf16 GEMM (gemm_bf16.cpp's kCols)
+_PAIR_COLS = _TASK_COLS // 2  # gate (and up) columns per task of gemm_bf16_silu
 
 
 @lru_cache(maxsize=1)
@@ -88,6 +90,17 @@ def pack_gemm(weight: torch.Tensor, group: int = 2) -> torch.Tensor:
     if n % _TASK_COLS:
         weight = torch.cat([weight, weight.new_zeros(_TASK_COLS - n % _TASK_COLS, k)])
     return pack_tasks(weight.unsqueeze(0), group)[0]
+
+
+def pair_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """An MLP's gate_up weight [2I, K] (gate rows, then up rows) -> [ceil(I/32) * 64, K]: every 64 rows
+    32 gate rows then the same 32 up rows (zero rows past I), the tasks of csrc/gemm_bf16.cpp's
+    gemm_bf16_silu once packed (pack_gemm), each of which so sees both halves of its outputs."""
+    inter, k = weight.shape[0] // 2, weight.shape[1]
+    halves = [weight[:inter], weight[inter:]]
+    if inter % _PAIR_COLS:
+        halves = [torch.cat([h, h.new_zeros(_PAIR_COLS - inter % _PAIR_COLS, k)]) for h in halves]
+    return torch.stack([h.reshape(-1, _PAIR_COLS, k) for h in halves], 1).reshape(-1, k)
 
 
 def _onednn_usable(weight: torch.Tensor, device: torch.device) -> bool:
@@ -166,20 +179,40 @@ class PackedLMHead:
 
 class PackedLinear(nn.Module):
     """Stands in for an nn.Linear: the same function, the weight held only packed (for the bf16 GEMM
-    where it applies, else in oneDNN's layout)."""
+    where it applies, else in oneDNN's layout).
 
-    def __init__(self, linear: nn.Linear, parts: list | None = None) -> None:
+    `gate_up`: the linear is an MLP's [gate | up] projection. On the bf16 GEMM without a bias or GGUF
+    blocks it is then packed in gate/up pairs (`fuses_silu`), and `silu_and_mul(x)` gives
+    silu(gate) * up in one kernel, bit for bit what silu_and_mul(self(x)) gives."""
+
+    def __init__(self, linear: nn.Linear, parts: list | None = None, gate_up: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gemm = gemm_applies(linear.weight)
-        self.packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
+        self.fuses_silu = (gate_up and self.gemm and not parts and linear.bias is None
+                           and linear.out_features % 2 == 0)
+        weight = pair_gate_up(linear.weight.detach()) if self.fuses_silu else linear.weight
+        self.packed = pack_gemm(weight) if self.gemm else _pack(weight)
         self.blocks = block_copy(parts, self.packed, linear.out_features) if self.gemm else None  # as PackedLMHead's
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuses_silu:  # the paired columns back in [gate | up] order
+            pairs = _gemm_linear(x, self.packed, None, self.packed.shape[0] * _TASK_COLS, None)
+            pairs = pairs.unflatten(-1, (-1, 2, _PAIR_COLS)).transpose(-3, -2).flatten(-2)
+            return pairs[..., : self.out_features // 2].flatten(-2)
         if self.gemm:
             return _gemm_linear(x, self.packed, self.bias, self.out_features, self.blocks)
         return _packed_linear(x, self.packed, self.bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate | up] projection of x (only where `fuses_silu`)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        inter = self.out_features // 2
+        return gemm_kernel().gemm_bf16_silu(x, self.packed, inter).reshape(*shape[:-1], inter)
 
 
 def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -223,7 +256,7 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
     swapped, dropped = 0, []
     for full, parent, name, child in targets:
         try:
-            packed = PackedLinear(child, blocks.pop(full, None))
+            packed = PackedLinear(child, blocks.pop(full, None), gate_up=name == "gate_up_proj" and isinstance(parent, LlamaMLP))
         except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
             logger.warning("packed linears unavailable (%s); using F.linear", exc)
             break

@@ -202,6 +202,8 @@ class FusedCPUDecoder:
         ops = self.ops
         if isinstance(module, PackedLinear):
             self._held += [(module, "packed", module.packed), (module, "blocks", module.blocks)]
+            if module.fuses_silu:  # the plan then skips its silu_and_mul
+                return ops.gemm_silu_linear(module.packed, module.out_features // 2)
             if module.gemm:
                 return ops.gemm_linear(module.packed, module.bias, module.out_features, module.blocks)
             return ops.packed_linear(module.packed, module.bias)

@@ -104,7 +104,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj
+        # A packed CPU linear may fuse the activation into its GEMM (exec/cpu_linear.PackedLinear).
+        h = gate_up.silu_and_mul(x) if getattr(gate_up, "fuses_silu", False) else silu_and_mul(gate_up(x))
+        return self.tp.all_reduce(self.down_proj(h))
 
 
 # (config, global layer index, tp) -> the layer's feed-forward block: a dense MLP, or an MoE's (moe.py)

@@ -31,6 +31,7 @@ using DecodeFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, 
 using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
 using PrefillFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, double);
 using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t, const Opt&);
+using GemmSiluFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t);
 using GemmI8Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
 using MoEFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
@@ -69,7 +70,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One projection: oneDNN packed (0), the bf16 GEMM over its packed weight (1: `packed` in its
 // layout, `n` output columns), or weights kept quantized, one or more row blocks side by side, then
 // the bias (2), or int8 weights with a scale per column, then the bias: in the bf16 GEMM's layout (3)
-// or the W8A8 GEMM's (4).
+// or the W8A8 GEMM's (4); or an MLP's gate_up with SiLU-and-multiply in the bf16 GEMM (5: gemm_bf16_silu,
+// `n` output columns, the activation's, not the projection's).
 struct Linear {
   int kind = 0;
   torch::Tensor packed, scale;
@@ -121,6 +123,7 @@ struct Kernels {
   DecodeFn paged_decode;
   WriteKVFn write_kv;
   GemmFn gemm_bf16 = nullptr;    // only where the CPU has AVX512-BF16
+  GemmSiluFn gemm_bf16_silu = nullptr;
   GemmI8Fn gemm_i8_bf16 = nullptr;
   GemmI8Fn gemm_int8 = nullptr;  // the W8A8 GEMM (gemm_int8.cpp), only where the CPU has AVX512-VNNI
   QuantFn quant_matmul = nullptr;  // only for models with quantized weights
@@ -145,6 +148,7 @@ class DecodePlan {
     k_.paged_decode = address<DecodeFn>(at, "paged_decode");
     k_.write_kv = address<WriteKVFn>(at, "write_kv");
     k_.gemm_bf16 = address<GemmFn>(at, "gemm_bf16", false);
+    k_.gemm_bf16_silu = address<GemmSiluFn>(at, "gemm_bf16_silu", false);
     k_.gemm_i8_bf16 = address<GemmI8Fn>(at, "gemm_i8_bf16", false);
     k_.gemm_int8 = address<GemmI8Fn>(at, "gemm_int8", false);
     k_.quant_matmul = address<QuantFn>(at, "quant_matmul", false);
@@ -156,7 +160,7 @@ class DecodePlan {
                  Linear o, Linear gate_up, Linear down, torch::Tensor k_cache, torch::Tensor v_cache, int64_t heads,
                  int64_t kv_heads, int64_t head_dim, double scale) {
     for (const Linear* l : {&qkv, &o, &gate_up, &down}) {
-      TORCH_CHECK(l->kind != 1 || k_.gemm_bf16, "fused decode: a bf16 GEMM linear without its kernel");
+      TORCH_CHECK((l->kind != 1 || k_.gemm_bf16) && (l->kind != 5 || k_.gemm_bf16_silu), "fused decode: a bf16 GEMM linear without its kernel");
       TORCH_CHECK(l->kind != 3 || k_.gemm_i8_bf16, "fused decode: an int8 GEMM linear without its kernel");
       TORCH_CHECK(l->kind != 4 || k_.gemm_int8, "fused decode: a W8A8 linear without its kernel");
       TORCH_CHECK(l->kind != 2 || k_.quant_matmul, "fused decode: a quantized linear without its kernel");
@@ -247,7 +251,7 @@ class DecodePlan {
                                   : k_.paged_decode(q, l.k_cache, l.v_cache, block_tables, seq_lens, l.scale);
       h = linear(attn.reshape({m, q_size}), l.o);
       k_.add_rms_norm_(h, residual, l.post_norm, l.post_eps);
-      h = l.experts.present ? routed(h, l.experts) : linear(k_.silu_and_mul(linear(h, l.gate_up)), l.down);
+      h = l.experts.present ? routed(h, l.experts) : linear(l.gate_up.kind == 5 ? linear(h, l.gate_up) : k_.silu_and_mul(linear(h, l.gate_up)), l.down);
     }
     return {h, residual};
   }
@@ -298,6 +302,7 @@ class DecodePlan {
   }
 
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
+    if (l.kind == 5) return k_.gemm_bf16_silu(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.n);
     if (l.kind == 1) return k_.gemm_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.bias, l.n, l.blocks);
     if (l.kind == 3 || l.kind == 4) {
       const GemmI8Fn f = l.kind == 3 ? k_.gemm_i8_bf16 : k_.gemm_int8;
@@ -335,6 +340,12 @@ Linear gemm(torch::Tensor packed, Opt bias, int64_t n, Opt blocks) {
   return l;
 }
 
+Linear gemm_silu(torch::Tensor packed, int64_t n) {
+  Linear l = gemm(packed, Opt(), n, Opt());
+  l.kind = 5;
+  return l;
+}
+
 Linear gemm_i8(torch::Tensor packed, torch::Tensor scale, Opt bias, int64_t n) {
   Linear l = gemm(packed, bias, n, Opt());
   l.kind = 3;
@@ -367,6 +378,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear");
   m.def("packed_linear", &packed);
   m.def("gemm_linear", &gemm, py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("blocks") = py::none());
+  m.def("gemm_silu_linear", &gemm_silu);
   m.def("int8_gemm_linear", &gemm_i8);
   m.def("w8a8_linear", &w8a8);
   m.def("quant_linear", &quantized);

@@ -17,6 +17,12 @@
 // dynamically handed-out tasks without it; docs/perf-notes.md "2026-12-06"). Narrow weights (few
 // column blocks) are split by rows too, so that every thread has work.
 //
+// SiLU-and-multiply in the epilogue (gemm_bf16_silu): an MLP's gate_up weight packed with each task
+// holding 32 gate columns and the same 32 up columns (exec/cpu_linear.py pair_gate_up), so that a task
+// rounds both sums to bf16, as gemm_bf16 stores them, and writes silu(gate) * up as layer_ops'
+// silu_and_mul computes it from those values (its table, one rounding of the product): the same bits,
+// without writing the [gate | up] rows and reading them back (~2 % of the CPU-offline run).
+//
 // int8: a task first widens its columns' int8 weights (the same layout, one byte each) to bf16 in a
 // per-thread buffer (exact: |q| <= 127), then runs the bf16 micro-kernel over it and multiplies each
 // column's float32 sum by its scale. The products are exact, so this is the float32 matmul of the
@@ -35,19 +41,37 @@
 #include "balanced_for.h"
 #include "bf16_tile.h"
 #include "block_tile.h"
+#include "silu_bf16.h"
 
 namespace {
 
 using namespace pagoda_bf16;
 using Opt = std::optional<torch::Tensor>;
 constexpr int kCols = kNB * kBlock;  // output columns per task
+// silu(gate) * up for `cols` (<= 32) columns of one row's task sums (c[j]: gate j, c[32 + j]: up j),
+// each sum first rounded to bf16 as store_row rounds it; `table`: pagoda::silu_bf16_table().
+void store_silu_row(const float* c, int64_t cols, const float* table, uint16_t* dst) {
+  int64_t j = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  for (; j < cols; j += kBlock) {
+    const __mmask16 mask = cols - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    const __m512i gate = _mm512_cvtepu16_epi32(to_bf16(_mm512_loadu_ps(c + j)));
+    const __m512 up = round16(_mm512_loadu_ps(c + kCols / 2 + j));
+    _mm256_mask_storeu_epi16(dst + j, mask, to_bf16(_mm512_mul_ps(_mm512_i32gather_ps(gate, table, 4), up)));
+  }
+#endif
+  for (; j < cols; ++j) dst[j] = bf16(table[bf16(c[j]).x] * round_bf16(c[kCols / 2 + j])).x;
+}
+
 // Rows [r0, r1) of x against one task's packed weights w (k wide), written to y's columns
 // [col0, col0 + 64) that lie below n, each column's sum times scale[col] (if given) plus bias[col].
 // `cached`: w was just written (a widened panel), so never prefetch it non-temporal. `next`: the
 // weights of the task this thread runs next, if another column block, asked for by the later passes.
+// `silu`: the task's columns are 32 gate then 32 up columns, and it writes silu(gate) * up to y's
+// columns [col0, col0 + 32) below n (no scale or bias).
 void run_task(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k, int64_t r0, int64_t r1, int64_t col0,
               int64_t n, const float* scale, const float* bias, uint16_t* y, int64_t ldy, bool cached = false,
-              const uint16_t* next = nullptr) {
+              const uint16_t* next = nullptr, const float* silu = nullptr) {
   float c[kMR][kCols];
   const bool stream = !cached && r1 - r0 <= kMR;
   Ahead ahead;
@@ -58,9 +82,35 @@ void run_task(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k, int6
     for (int i = 0; i < rows; ++i) a[i] = x + (r + i) * ldx;
     if (stream) tile_rows<true>(static_cast<int>(rows), a, w, k, c);
     else tile_rows<false>(static_cast<int>(rows), a, w, k, c, r > r0 && next != nullptr ? &ahead : nullptr);
-    const int64_t cols = std::min<int64_t>(kCols, n - col0);
-    for (int i = 0; i < rows; ++i) store_row(c[i], cols, scale ? scale + col0 : nullptr, bias ? bias + col0 : nullptr,
-                                             y + (r + i) * ldy + col0);
+    const int64_t cols = std::min<int64_t>(silu ? kCols / 2 : kCols, n - col0);
+    for (int i = 0; i < rows; ++i) {
+      if (silu) store_silu_row(c[i], cols, silu, y + (r + i) * ldy + col0);
+      else store_row(c[i], cols, scale ? scale + col0 : nullptr, bias ? bias + col0 : nullptr, y + (r + i) * ldy + col0);
+    }
+  }
+}
+
+// Every task of the plan for x [M, K] against w (packed bf16) into y [M, n]: each thread its
+// contiguous range, then the back of another's. The plan's tasks are alike in cost (and their count
+// a multiple of the threads where it can be), so the ranges are equal. `silu`: w's tasks are gate/up
+// pairs, each writing 32 columns (run_task).
+void run_tasks(const torch::Tensor& x, const torch::Tensor& w, const float* bias, torch::Tensor& y, const float* silu) {
+  const int64_t m = x.size(0), k = x.size(1), n = y.size(1), cols = silu ? kCols / 2 : kCols;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int threads = at::get_num_threads();
+  const Plan p = plan(m, w.size(0), threads);
+  pagoda_split::Ranges ranges = pagoda_split::Ranges::even(p.tasks, threads);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t th = omp_get_thread_num();
+    for (int64_t t; (t = ranges.take(th)) >= 0;) {
+      const int64_t j = t / p.chunks, r0 = (t % p.chunks) * p.chunk, tn = ranges.peek(th);
+      const uint16_t* next = tn >= 0 && tn / p.chunks != j ? wp + tn / p.chunks * k * kCols : nullptr;
+      run_task(xp, x.stride(0), wp + j * k * kCols, k, r0, std::min(m, r0 + p.chunk), j * cols, n, nullptr, bias, yp,
+               n, false, next, silu);
+    }
   }
 }
 
@@ -147,7 +197,7 @@ bool blocks_widen_to(const torch::Tensor& q, const torch::Tensor& w) {
 torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Opt& bias, int64_t n,
                         const Opt& q) {
   check(x, w, n, at::kBFloat16);
-  const int64_t m = x.size(0), k = x.size(1), blocks = w.size(0);
+  const int64_t m = x.size(0);
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
   const std::vector<float> b = column_floats(bias, n, "gemm_bf16", "bias");
@@ -156,24 +206,19 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Op
     gemm_blocks(x, *q, b, n, y);
     return y;
   }
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int threads = at::get_num_threads();
-  const Plan p = plan(m, blocks, threads);
-  // The plan's tasks are alike in cost (and their count a multiple of the threads where it can be),
-  // so equal contiguous ranges, with a thread that ends first taking the other's last tasks.
-  pagoda_split::Ranges ranges = pagoda_split::Ranges::even(p.tasks, threads);
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t th = omp_get_thread_num();
-    for (int64_t t; (t = ranges.take(th)) >= 0;) {
-      const int64_t j = t / p.chunks, r0 = (t % p.chunks) * p.chunk, tn = ranges.peek(th);
-      const uint16_t* next = tn >= 0 && tn / p.chunks != j ? wp + tn / p.chunks * k * kCols : nullptr;
-      run_task(xp, x.stride(0), wp + j * k * kCols, k, r0, std::min(m, r0 + p.chunk), j * kCols, n, nullptr,
-               b.empty() ? nullptr : b.data(), yp, n, false, next);
-    }
-  }
+  run_tasks(x, w, b.empty() ? nullptr : b.data(), y, nullptr);
+  return y;
+}
+
+// silu(x w_gate^T) * (x w_up^T) [M, n] in bf16, as gemm_bf16 then silu_and_mul give it; w packed
+// [ceil(n/32), K/2, 4, 16, 2] from the paired gate_up rows (exec/cpu_linear.py pair_gate_up).
+torch::Tensor gemm_bf16_silu(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
+  check(x, w, w.size(0) * kCols, at::kBFloat16);
+  TORCH_CHECK(n > 0 && (n + kCols / 2 - 1) / (kCols / 2) == w.size(0), "gemm_bf16_silu: n does not match w");
+  const int64_t m = x.size(0);
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0) return y;
+  run_tasks(x, w, nullptr, y, pagoda::silu_bf16_table());
   return y;
 }
 
@@ -210,12 +255,14 @@ torch::Tensor gemm_i8_bf16(const torch::Tensor& x, const torch::Tensor& w, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"),
         py::arg("q") = py::none());
+  m.def("gemm_bf16_silu", &gemm_bf16_silu, py::arg("x"), py::arg("w"), py::arg("n"));
   m.def("gemm_i8_bf16", &gemm_i8_bf16, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"));
   m.def("blocks_widen_to", &blocks_widen_to, py::arg("q"), py::arg("w"));
   m.def("has_avx512_bf16", &pagoda_bf16::built_with_avx512_bf16);
   // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
   m.def("_addresses", [] {
     return std::map<std::string, int64_t>{{"gemm_bf16", reinterpret_cast<int64_t>(&gemm_bf16)},
-                                          {"gemm_i8_bf16", reinterpret_cast<int64_t>(&gemm_i8_bf16)}};
+                                          {"gemm_i8_bf16", reinterpret_cast<int64_t>(&gemm_i8_bf16)},
+                                          {"gemm_bf16_silu", reinterpret_cast<int64_t>(&gemm_bf16_silu)}};
   });
 }

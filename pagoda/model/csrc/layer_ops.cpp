@@ -31,6 +31,7 @@
 #include <limits>
 #include <vector>
 
+#include "silu_bf16.h"
 #include "vec_math.h"
 
 using bf16 = c10::BFloat16;
@@ -199,33 +200,12 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
   else rotary_impl<bf16>(x, pp, cos_sin.data_ptr<float>());
 }
 
-// silu(g) for every bf16 g, indexed by g's bits, as the floats of the bf16 results: bf16(g / (1 + e))
-// with e = exp(-g) rounded once to float (from a double exp) and the sum and division in float,
-// which is what torch's F.silu computes (see the header). Built once, on first use.
-static const float* silu_bf16_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(1 << 16);
-    for (uint32_t b = 0; b < (1u << 16); ++b) {
-      bf16 g;
-      g.x = static_cast<uint16_t>(b);
-      const float x = load(g);
-      const double e = std::exp(-static_cast<double>(x));
-      // Past float's range exp(-g) is inf (and silu -0, or NaN at g = -inf, as in float math).
-      const float ef = e > std::numeric_limits<float>::max() ? std::numeric_limits<float>::infinity()
-                                                              : static_cast<float>(e);
-      t[b] = rnd<bf16>(x / (1.f + ef));
-    }
-    return t;
-  }();
-  return table.data();
-}
-
 template <typename T>
 static void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
   const int64_t T_ = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const float* table = std::is_same_v<T, bf16> ? silu_bf16_table() : nullptr;
+  const float* table = std::is_same_v<T, bf16> ? pagoda::silu_bf16_table() : nullptr;
   at::parallel_for(0, T_, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T *g = xp + i * xs, *u = g + I;
