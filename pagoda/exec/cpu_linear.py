@@ -183,7 +183,10 @@ class PackedLinear(nn.Module):
 
     `gate_up`: the linear is an MLP's [gate | up] projection. On the bf16 GEMM without a bias or GGUF
     blocks it is then packed in gate/up pairs (`fuses_silu`), and `silu_and_mul(x)` gives
-    silu(gate) * up in one kernel, bit for bit what silu_and_mul(self(x)) gives."""
+    silu(gate) * up in one kernel, bit for bit what silu_and_mul(self(x)) gives. The pairs are held as
+    `paired`, not `packed`, so that a weight update from a checkpoint whose gate_up is not paired (one
+    with GGUF blocks) is refused by name (weight_tensors.check_same_layout), never copied into the
+    wrong columns."""
 
     def __init__(self, linear: nn.Linear, parts: list | None = None, gate_up: bool = False) -> None:
         super().__init__()
@@ -192,13 +195,14 @@ class PackedLinear(nn.Module):
         self.fuses_silu = (gate_up and self.gemm and not parts and linear.bias is None
                            and linear.out_features % 2 == 0)
         weight = pair_gate_up(linear.weight.detach()) if self.fuses_silu else linear.weight
-        self.packed = pack_gemm(weight) if self.gemm else _pack(weight)
+        packed = pack_gemm(weight) if self.gemm else _pack(weight)
+        self.packed, self.paired = (None, packed) if self.fuses_silu else (packed, None)
         self.blocks = block_copy(parts, self.packed, linear.out_features) if self.gemm else None  # as PackedLMHead's
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuses_silu:  # the paired columns back in [gate | up] order
-            pairs = _gemm_linear(x, self.packed, None, self.packed.shape[0] * _TASK_COLS, None)
+            pairs = _gemm_linear(x, self.paired, None, self.paired.shape[0] * _TASK_COLS, None)
             pairs = pairs.unflatten(-1, (-1, 2, _PAIR_COLS)).transpose(-3, -2).flatten(-2)
             return pairs[..., : self.out_features // 2].flatten(-2)
         if self.gemm:
@@ -212,7 +216,7 @@ class PackedLinear(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         inter = self.out_features // 2
-        return gemm_kernel().gemm_bf16_silu(x, self.packed, inter).reshape(*shape[:-1], inter)
+        return gemm_kernel().gemm_bf16_silu(x, self.paired, inter).reshape(*shape[:-1], inter)
 
 
 def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:

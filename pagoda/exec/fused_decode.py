@@ -201,9 +201,10 @@ class FusedCPUDecoder:
     def _linear(self, module: nn.Module):
         ops = self.ops
         if isinstance(module, PackedLinear):
-            self._held += [(module, "packed", module.packed), (module, "blocks", module.blocks)]
             if module.fuses_silu:  # the plan then skips its silu_and_mul
-                return ops.gemm_silu_linear(module.packed, module.out_features // 2)
+                self._held.append((module, "paired", module.paired))
+                return ops.gemm_silu_linear(module.paired, module.out_features // 2)
+            self._held += [(module, "packed", module.packed), (module, "blocks", module.blocks)]
             if module.gemm:
                 return ops.gemm_linear(module.packed, module.bias, module.out_features, module.blocks)
             return ops.packed_linear(module.packed, module.bias)

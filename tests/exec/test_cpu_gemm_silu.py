@@ -75,7 +75,7 @@ def test_a_paired_linear_still_gives_gate_then_up():
     assert torch.equal(paired(x), plain(x))
     assert torch.equal(paired.silu_and_mul(x), silu_and_mul(plain(x)))
     with pytest.raises(RuntimeError, match="n does not match"):
-        gemm_kernel().gemm_bf16_silu(x[0], paired.packed, 80)  # n counts the activation's columns, 40
+        gemm_kernel().gemm_bf16_silu(x[0], paired.paired, 80)  # n counts the activation's columns, 40
 
 
 def _mlp(bias: bool) -> LlamaMLP:
@@ -104,3 +104,17 @@ def test_a_gate_up_with_a_bias_or_outside_an_mlp_is_not_paired():
     other.gate_up_proj = torch.nn.Linear(64, 80, bias=False).to(torch.bfloat16)
     pack_linears(other, torch.device("cpu"))
     assert not other.gate_up_proj.fuses_silu
+
+
+@needs_gemm
+def test_a_weight_update_between_paired_and_unpaired_gate_up_is_refused_by_name():
+    """A GGUF checkpoint's gate_up keeps its blocks and is not paired; copying it into a paired one
+    (the same shape for SmolLM2) would put gate values in up columns, so the names differ."""
+    from pagoda.exec.weight_tensors import check_same_layout, weight_tensors
+
+    paired, plain = _mlp(bias=False), _mlp(bias=False)
+    pack_linears(paired, torch.device("cpu"))
+    plain.gate_up_proj, plain.down_proj = PackedLinear(plain.gate_up_proj), PackedLinear(plain.down_proj)
+    check_same_layout(weight_tensors(paired), weight_tensors(paired), "same")
+    with pytest.raises(ValueError, match="gate_up_proj.paired"):
+        check_same_layout(weight_tensors(paired), weight_tensors(plain), "unpaired")
