@@ -9,9 +9,12 @@
 // miss queue and stalls the arithmetic behind it. So the next block's cache lines are asked for a
 // few at a time, spread over the calls of step() that the work on the current block makes.
 //
-// Two shapes: `Ahead`, rows at a stride spread evenly over a number of steps (the KV blocks, into
-// every level: they are read right after); `Lines`, one contiguous range one line a step, into L2
-// (the GEMM's next weights, which must not push the current pass's out of L1). `Lines` is two
+// Two shapes: `Ahead`, rows at a stride spread evenly over a number of steps (the KV blocks);
+// `Lines`, one contiguous range one line a step (the GEMM's next weights, which must not push the
+// current pass's out of L1). Both ask for L2 (prefetcht1), not L1: on Zen 4, KV blocks asked for
+// into L1 made a decode step of 64 sequences over blocks in random order 1.26x as slow (30.8 against
+// 24.5 ms a 30-layer step; 22.9 against 21.7 with runs of 5 consecutive blocks, the same with all
+// consecutive; benchmarks/bench_decode_attention.py's shapes, 2026-12-06). `Lines` is two
 // pointers because it runs in the GEMM micro-kernel's innermost loop, where `Ahead`'s bookkeeping
 // measured 5 % slower at 64 rows.
 #pragma once
@@ -35,7 +38,7 @@ class Ahead {
   void none() { left_ = 0; }
   void step() {
     for (int64_t k = std::min(per_step_, left_); k > 0; --k, --left_) {
-      __builtin_prefetch(p_ + row_ * stride_ + col_ * 64, 0, 3);
+      __builtin_prefetch(p_ + row_ * stride_ + col_ * 64, 0, 2);
       if (++col_ == per_row_) col_ = 0, ++row_;
     }
   }
