@@ -181,27 +181,26 @@ class PackedLinear(nn.Module):
     """Stands in for an nn.Linear: the same function, the weight held only packed (for the bf16 GEMM
     where it applies, else in oneDNN's layout).
 
-    `gate_up`: the linear is an MLP's [gate | up] projection. On the bf16 GEMM without a bias or GGUF
-    blocks it is then packed in gate/up pairs (`fuses_silu`), and `silu_and_mul(x)` gives
-    silu(gate) * up in one kernel, bit for bit what silu_and_mul(self(x)) gives. The pairs are held as
-    `paired`, not `packed`, so that a weight update from a checkpoint whose gate_up is not paired (one
-    with GGUF blocks) is refused by name (weight_tensors.check_same_layout), never copied into the
-    wrong columns."""
+    `gate_up`: the linear is an MLP's [gate | up] projection. On the bf16 GEMM without a bias it is
+    then packed in gate/up pairs (`fuses_silu`, held as `paired`, not `packed`, so that a weight
+    update between the two layouts is refused by name, never copied into the wrong columns), and
+    `silu_and_mul(x)` gives silu(gate) * up in one kernel, bit for bit what silu_and_mul(self(x))
+    gives; GGUF blocks stay in [gate | up] order and serve a few rows, as for any linear."""
 
     def __init__(self, linear: nn.Linear, parts: list | None = None, gate_up: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gemm = gemm_applies(linear.weight)
-        self.fuses_silu = (gate_up and self.gemm and not parts and linear.bias is None
-                           and linear.out_features % 2 == 0)
-        weight = pair_gate_up(linear.weight.detach()) if self.fuses_silu else linear.weight
-        packed = pack_gemm(weight) if self.gemm else _pack(weight)
+        self.fuses_silu = gate_up and self.gemm and linear.bias is None and linear.out_features % 2 == 0
+        packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
+        self.blocks = block_copy(parts, packed, linear.out_features) if self.gemm else None  # as PackedLMHead's
+        if self.fuses_silu:
+            packed = pack_gemm(pair_gate_up(linear.weight.detach()))
         self.packed, self.paired = (None, packed) if self.fuses_silu else (packed, None)
-        self.blocks = block_copy(parts, self.packed, linear.out_features) if self.gemm else None  # as PackedLMHead's
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fuses_silu:  # the paired columns back in [gate | up] order
+        if self.fuses_silu:  # the paired columns back in [gate | up] order (the blocks give the same bits)
             pairs = _gemm_linear(x, self.paired, None, self.paired.shape[0] * _TASK_COLS, None)
             pairs = pairs.unflatten(-1, (-1, 2, _PAIR_COLS)).transpose(-3, -2).flatten(-2)
             return pairs[..., : self.out_features // 2].flatten(-2)
@@ -216,7 +215,7 @@ class PackedLinear(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         inter = self.out_features // 2
-        return gemm_kernel().gemm_bf16_silu(x, self.paired, inter).reshape(*shape[:-1], inter)
+        return gemm_kernel().gemm_bf16_silu(x, self.paired, inter, self.blocks).reshape(*shape[:-1], inter)
 
 
 def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -202,8 +202,8 @@ class FusedCPUDecoder:
         ops = self.ops
         if isinstance(module, PackedLinear):
             if module.fuses_silu:  # the plan then skips its silu_and_mul
-                self._held.append((module, "paired", module.paired))
-                return ops.gemm_silu_linear(module.paired, module.out_features // 2)
+                self._held += [(module, "paired", module.paired), (module, "blocks", module.blocks)]
+                return ops.gemm_silu_linear(module.paired, module.out_features // 2, module.blocks)
             self._held += [(module, "packed", module.packed), (module, "blocks", module.blocks)]
             if module.gemm:
                 return ops.gemm_linear(module.packed, module.bias, module.out_features, module.blocks)

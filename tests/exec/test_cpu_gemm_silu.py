@@ -108,8 +108,8 @@ def test_a_gate_up_with_a_bias_or_outside_an_mlp_is_not_paired():
 
 @needs_gemm
 def test_a_weight_update_between_paired_and_unpaired_gate_up_is_refused_by_name():
-    """A GGUF checkpoint's gate_up keeps its blocks and is not paired; copying it into a paired one
-    (the same shape for SmolLM2) would put gate values in up columns, so the names differ."""
+    """An unpaired gate_up copied into a paired one (the same shape for SmolLM2) would put gate
+    values in up columns, so the two go by different names."""
     from pagoda.exec.weight_tensors import check_same_layout, weight_tensors
 
     paired, plain = _mlp(bias=False), _mlp(bias=False)

@@ -93,6 +93,26 @@ def test_gemm_over_blocks_gives_the_bf16_gemms_bits(qtype, rows):
 
 
 @needs_gemm
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_paired_gate_up_keeps_its_blocks_for_a_few_rows(qtype):
+    """An MLP's gate_up packed in gate/up pairs (exec/cpu_linear.py) keeps the blocks in [gate | up]
+    order: up to 8 rows its SiLU-and-multiply reads them, more the paired bf16 copy, with the bits of
+    the unpaired linear followed by silu_and_mul either way."""
+    from pagoda.model.layers import silu_and_mul
+
+    parts = [_part(qtype, 96, 576, 1), _part(qtype, 96, 576, 2)]  # gate, up: 96 columns, not a multiple of 64
+    linear = torch.nn.Linear(576, 192, bias=False).to(torch.bfloat16)
+    linear.weight.data = _loaded_bf16(parts)
+    plain, paired = PackedLinear(linear, parts), PackedLinear(linear, parts, gate_up=True)
+    assert paired.fuses_silu and paired.blocks is not None and torch.equal(paired.blocks, plain.blocks)
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 5, 8, 9, 64):
+        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+        assert torch.equal(paired.silu_and_mul(x).view(torch.int16), silu_and_mul(plain(x)).view(torch.int16))
+        assert torch.equal(paired(x), plain(x))
+
+
+@needs_gemm
 def test_gemm_refuses_blocks_of_another_shape():
     parts = [_part("Q4_1", 128, 64, 5)]
     with pytest.raises(RuntimeError, match="blocks do not match"):

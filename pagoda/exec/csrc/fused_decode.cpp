@@ -31,7 +31,7 @@ using DecodeFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, 
 using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
 using PrefillFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, double);
 using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t, const Opt&);
-using GemmSiluFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t);
+using GemmSiluFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&);
 using GemmI8Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
 using MoEFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
@@ -302,7 +302,7 @@ class DecodePlan {
   }
 
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
-    if (l.kind == 5) return k_.gemm_bf16_silu(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.n);
+    if (l.kind == 5) return k_.gemm_bf16_silu(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.n, l.blocks);
     if (l.kind == 1) return k_.gemm_bf16(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.bias, l.n, l.blocks);
     if (l.kind == 3 || l.kind == 4) {
       const GemmI8Fn f = l.kind == 3 ? k_.gemm_i8_bf16 : k_.gemm_int8;
@@ -340,8 +340,8 @@ Linear gemm(torch::Tensor packed, Opt bias, int64_t n, Opt blocks) {
   return l;
 }
 
-Linear gemm_silu(torch::Tensor packed, int64_t n) {
-  Linear l = gemm(packed, Opt(), n, Opt());
+Linear gemm_silu(torch::Tensor packed, int64_t n, Opt blocks) {
+  Linear l = gemm(packed, Opt(), n, blocks);
   l.kind = 5;
   return l;
 }

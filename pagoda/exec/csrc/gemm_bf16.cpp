@@ -63,6 +63,21 @@ void store_silu_row(const float* c, int64_t cols, const float* table, uint16_t* 
   for (; j < cols; ++j) dst[j] = bf16(table[bf16(c[j]).x] * round_bf16(c[kCols / 2 + j])).x;
 }
 
+// silu(gate) * up for the n columns of one row of [gate | up] bf16 bits (gate j at gu[j], up j at
+// gu[n + j]), as layer_ops' silu_and_mul computes it; `table`: pagoda::silu_bf16_table().
+void silu_halves(const uint16_t* gu, int64_t n, const float* table, uint16_t* dst) {
+  int64_t j = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  for (; j < n; j += kBlock) {
+    const __mmask16 mask = n - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512i gate = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, gu + j));
+    const __m512 up = from_bf16(_mm256_maskz_loadu_epi16(mask, gu + n + j));
+    _mm256_mask_storeu_epi16(dst + j, mask, to_bf16(_mm512_mul_ps(_mm512_i32gather_ps(gate, table, 4), up)));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = bf16(table[gu[j]] * to_float(gu[n + j])).x;
+}
+
 // Rows [r0, r1) of x against one task's packed weights w (k wide), written to y's columns
 // [col0, col0 + 64) that lie below n, each column's sum times scale[col] (if given) plus bias[col].
 // `cached`: w was just written (a widened panel), so never prefetch it non-temporal. `next`: the
@@ -211,13 +226,23 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Op
 }
 
 // silu(x w_gate^T) * (x w_up^T) [M, n] in bf16, as gemm_bf16 then silu_and_mul give it; w packed
-// [ceil(n/32), K/2, 4, 16, 2] from the paired gate_up rows (exec/cpu_linear.py pair_gate_up).
-torch::Tensor gemm_bf16_silu(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
+// [ceil(n/32), K/2, 4, 16, 2] from the paired gate_up rows (exec/cpu_linear.py pair_gate_up). q: the
+// unpaired [gate | up] weights in GGUF blocks, which serve up to kBlockRowsMax rows as in gemm_bf16.
+torch::Tensor gemm_bf16_silu(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const Opt& q) {
   check(x, w, w.size(0) * kCols, at::kBFloat16);
   TORCH_CHECK(n > 0 && (n + kCols / 2 - 1) / (kCols / 2) == w.size(0), "gemm_bf16_silu: n does not match w");
   const int64_t m = x.size(0);
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
+  if (q.has_value() && m <= kBlockRowsMax && built_with_avx512_bf16()) {
+    check_blocks(x, *q, 2 * n);
+    torch::Tensor gate_up = torch::empty({m, 2 * n}, x.options());
+    gemm_blocks(x, *q, {}, 2 * n, gate_up);
+    const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
+    auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < m; ++i) silu_halves(gp + i * 2 * n, n, pagoda::silu_bf16_table(), yp + i * n);
+    return y;
+  }
   run_tasks(x, w, nullptr, y, pagoda::silu_bf16_table());
   return y;
 }
@@ -255,7 +280,7 @@ torch::Tensor gemm_i8_bf16(const torch::Tensor& x, const torch::Tensor& w, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("n"),
         py::arg("q") = py::none());
-  m.def("gemm_bf16_silu", &gemm_bf16_silu, py::arg("x"), py::arg("w"), py::arg("n"));
+  m.def("gemm_bf16_silu", &gemm_bf16_silu, py::arg("x"), py::arg("w"), py::arg("n"), py::arg("q") = py::none());
   m.def("gemm_i8_bf16", &gemm_i8_bf16, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"));
   m.def("blocks_widen_to", &blocks_widen_to, py::arg("q"), py::arg("w"));
   m.def("has_avx512_bf16", &pagoda_bf16::built_with_avx512_bf16);
