@@ -259,7 +259,8 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
     swapped, dropped = 0, []
     for full, parent, name, child in targets:
         try:
-            packed = PackedLinear(child, blocks.pop(full, None), gate_up=name == "gate_up_proj" and isinstance(parent, LlamaMLP))
+            gate_up = name == "gate_up_proj" and isinstance(parent, LlamaMLP)
+            packed = PackedLinear(child, blocks.pop(full, None), gate_up=gate_up)
         except (RuntimeError, AttributeError) as exc:  # a torch build without these oneDNN ops
             logger.warning("packed linears unavailable (%s); using F.linear", exc)
             break
