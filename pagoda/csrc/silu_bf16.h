@@ -1,9 +1,12 @@
 // silu(g) for every bf16 g, as a table of 65,536 floats indexed by g's bits: the bf16 results
 // bf16(g / (1 + e)) with e = exp(-g) rounded once to float (from a double exp) and the sum and
 // division in float, which is what torch's F.silu computes for a bf16 tensor (model/csrc/layer_ops.cpp
-// says how that was checked). Two kernels read it: layer_ops' SiLU-and-multiply and the bf16 GEMM's
-// SiLU epilogue (exec/csrc/gemm_bf16.cpp), which so give the same bits.
+// says how that was checked). layer_ops' SiLU-and-multiply reads it, and so do the epilogues of the
+// bf16 GEMM (exec/csrc/gemm_bf16.cpp) and the grouped MoE kernel (exec/csrc/moe_experts.cpp), which
+// so give the same bits.
 #pragma once
+
+#include <c10/util/BFloat16.h>
 
 #include <cmath>
 #include <cstdint>
@@ -12,17 +15,6 @@
 #include <vector>
 
 namespace pagoda {
-
-// f rounded to bf16 (to nearest even, NaN to 0x7FC0, as c10::BFloat16 rounds), as a float.
-inline float round_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t bits = ((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded) << 16;
-  float r;
-  std::memcpy(&r, &bits, 4);
-  return r;
-}
 
 // Built once, on first use.
 inline const float* silu_bf16_table() {
@@ -36,7 +28,7 @@ inline const float* silu_bf16_table() {
       // Past float's range exp(-g) is inf (and silu -0, or NaN at g = -inf, as in float math).
       const float ef = e > std::numeric_limits<float>::max() ? std::numeric_limits<float>::infinity()
                                                               : static_cast<float>(e);
-      t[b] = round_to_bf16(x / (1.f + ef));
+      t[b] = static_cast<float>(c10::BFloat16(x / (1.f + ef)));  // to nearest even, NaN to 0x7FC0
     }
     return t;
   }();

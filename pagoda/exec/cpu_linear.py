@@ -192,7 +192,9 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gemm = gemm_applies(linear.weight)
         self.fuses_silu = gate_up and self.gemm and linear.bias is None and linear.out_features % 2 == 0
-        packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
+        packed = None  # a paired linear needs the [gate | up] packing only to check its blocks against
+        if not (self.fuses_silu and not parts):
+            packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
         self.blocks = block_copy(parts, packed, linear.out_features) if self.gemm else None  # as PackedLMHead's
         if self.fuses_silu:
             packed = pack_gemm(pair_gate_up(linear.weight.detach()))

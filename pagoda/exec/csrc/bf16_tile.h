@@ -216,6 +216,30 @@ inline std::vector<float> column_floats(const std::optional<at::Tensor>& t, int6
   return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + n);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16(silu(gate) * up) for 16 lanes: gate as bf16 bits widened to 32, up as floats of bf16 values;
+// `table`: pagoda::silu_bf16_table() (pagoda/csrc/silu_bf16.h).
+inline __m256i silu_mul16(__m512i gate, __m512 up, const float* table) {
+  return to_bf16(_mm512_mul_ps(_mm512_i32gather_ps(gate, table, 4), up));
+}
+#endif
+
+// silu(gate) * up for `cols` (<= 32) columns of one row of a gate/up task's sums (c[j]: gate j,
+// c[32 + j]: up j), each sum first rounded to bf16 as store_row rounds it: the epilogue of the gate_up
+// GEMM (gemm_bf16.cpp) and of the grouped MoE kernel (moe_experts.cpp).
+inline void store_silu_row(const float* c, int64_t cols, const float* table, uint16_t* dst) {
+  constexpr int64_t kUp = kNB * kBlock / 2;
+  int64_t j = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  for (; j < cols; j += kBlock) {
+    const __mmask16 mask = cols - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    const __m512i gate = _mm512_cvtepu16_epi32(to_bf16(_mm512_loadu_ps(c + j)));
+    _mm256_mask_storeu_epi16(dst + j, mask, silu_mul16(gate, round16(_mm512_loadu_ps(c + kUp + j)), table));
+  }
+#endif
+  for (; j < cols; ++j) dst[j] = bf16(table[bf16(c[j]).x] * round_bf16(c[kUp + j])).x;
+}
+
 // One row's sums of a task to bf16: times scale, plus bias (either may be null), `cols` of them.
 inline void store_row(const float* c, int64_t cols, const float* scale, const float* bias, uint16_t* dst) {
   int64_t j = 0;

@@ -48,21 +48,6 @@ namespace {
 using namespace pagoda_bf16;
 using Opt = std::optional<torch::Tensor>;
 constexpr int kCols = kNB * kBlock;  // output columns per task
-// silu(gate) * up for `cols` (<= 32) columns of one row's task sums (c[j]: gate j, c[32 + j]: up j),
-// each sum first rounded to bf16 as store_row rounds it; `table`: pagoda::silu_bf16_table().
-void store_silu_row(const float* c, int64_t cols, const float* table, uint16_t* dst) {
-  int64_t j = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  for (; j < cols; j += kBlock) {
-    const __mmask16 mask = cols - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
-    const __m512i gate = _mm512_cvtepu16_epi32(to_bf16(_mm512_loadu_ps(c + j)));
-    const __m512 up = round16(_mm512_loadu_ps(c + kCols / 2 + j));
-    _mm256_mask_storeu_epi16(dst + j, mask, to_bf16(_mm512_mul_ps(_mm512_i32gather_ps(gate, table, 4), up)));
-  }
-#endif
-  for (; j < cols; ++j) dst[j] = bf16(table[bf16(c[j]).x] * round_bf16(c[kCols / 2 + j])).x;
-}
-
 // silu(gate) * up for the n columns of one row of [gate | up] bf16 bits (gate j at gu[j], up j at
 // gu[n + j]), as layer_ops' silu_and_mul computes it; `table`: pagoda::silu_bf16_table().
 void silu_halves(const uint16_t* gu, int64_t n, const float* table, uint16_t* dst) {
@@ -71,8 +56,7 @@ void silu_halves(const uint16_t* gu, int64_t n, const float* table, uint16_t* ds
   for (; j < n; j += kBlock) {
     const __mmask16 mask = n - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
     const __m512i gate = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, gu + j));
-    const __m512 up = from_bf16(_mm256_maskz_loadu_epi16(mask, gu + n + j));
-    _mm256_mask_storeu_epi16(dst + j, mask, to_bf16(_mm512_mul_ps(_mm512_i32gather_ps(gate, table, 4), up)));
+    _mm256_mask_storeu_epi16(dst + j, mask, silu_mul16(gate, from_bf16(_mm256_maskz_loadu_epi16(mask, gu + n + j)), table));
   }
 #endif
   for (; j < n; ++j) dst[j] = bf16(table[gu[j]] * to_float(gu[n + j])).x;
@@ -234,16 +218,17 @@ torch::Tensor gemm_bf16_silu(const torch::Tensor& x, const torch::Tensor& w, int
   const int64_t m = x.size(0);
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
+  const float* table = pagoda::silu_bf16_table();
   if (q.has_value() && m <= kBlockRowsMax && built_with_avx512_bf16()) {
     check_blocks(x, *q, 2 * n);
     torch::Tensor gate_up = torch::empty({m, 2 * n}, x.options());
     gemm_blocks(x, *q, {}, 2 * n, gate_up);
     const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
     auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < m; ++i) silu_halves(gp + i * 2 * n, n, pagoda::silu_bf16_table(), yp + i * n);
+    for (int64_t i = 0; i < m; ++i) silu_halves(gp + i * 2 * n, n, table, yp + i * n);
     return y;
   }
-  run_tasks(x, w, nullptr, y, pagoda::silu_bf16_table());
+  run_tasks(x, w, nullptr, y, table);
   return y;
 }
 

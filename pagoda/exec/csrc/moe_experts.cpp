@@ -30,35 +30,18 @@
 #include <immintrin.h>
 #endif
 #include <algorithm>
-#include <cmath>
 #include <map>
 #include <string>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "bf16_tile.h"
+#include "silu_bf16.h"
 
 namespace {
 
 using namespace pagoda_bf16;
-
-// silu(g) for every bf16 g, as pagoda/model/csrc/layer_ops.cpp tabulates it (see its header).
-const float* silu_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(1 << 16);
-    for (uint32_t b = 0; b < (1u << 16); ++b) {
-      const float x = to_float(static_cast<uint16_t>(b));
-      const double e = std::exp(-static_cast<double>(x));
-      const float ef = e > std::numeric_limits<float>::max() ? std::numeric_limits<float>::infinity()
-                                                              : static_cast<float>(e);
-      t[b] = round_bf16(x / (1.f + ef));
-    }
-    return t;
-  }();
-  return table.data();
-}
 
 }  // namespace
 
@@ -109,7 +92,7 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
   const float* wp = weights.data_ptr<float>();
   std::vector<uint16_t> act(rows * I);  // silu(gate) * up per row, bf16 bits
   std::vector<uint16_t> down(rows * H);  // weight * down per row, bf16 bits
-  const float* silu = silu_table();
+  const float* silu = pagoda::silu_bf16_table();
   const int threads = at::get_num_threads();
 
   // gate-up, SiLU-and-multiply: a task is one expert's 32 act columns (gate and up blocks 2g, 2g + 1).
@@ -125,21 +108,7 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
       const uint16_t* a[kMRHalves];
       for (int m = 0; m < n; ++m) a[m] = xp + (pair_of[r0 + m] / top_k) * H;
       tile_rows_halves(static_cast<int>(n), a, w, H, c);
-      for (int m = 0; m < n; ++m) {
-        uint16_t* dst = act.data() + (r0 + m) * I + g * 2 * kBlock;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-        for (int i = 0; i < 2 * kBlock; i += 16) {
-          const __m512i gate = _mm512_cvtepu16_epi32(to_bf16(_mm512_loadu_ps(c[m] + i)));
-          const __m512 up = round16(_mm512_loadu_ps(c[m] + 2 * kBlock + i));
-          store16(dst + i, to_bf16(_mm512_mul_ps(_mm512_i32gather_ps(gate, silu, 4), up)));
-        }
-#else
-        for (int i = 0; i < 2 * kBlock; ++i) {
-          const bf16 gate(c[m][i]);
-          dst[i] = bf16(silu[gate.x] * round_bf16(c[m][2 * kBlock + i])).x;
-        }
-#endif
-      }
+      for (int m = 0; m < n; ++m) store_silu_row(c[m], 2 * kBlock, silu, act.data() + (r0 + m) * I + g * 2 * kBlock);
     }
   }
 
