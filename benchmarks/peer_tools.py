@@ -7,6 +7,7 @@ peers, and print the comparison table. Each is a subcommand so the shell script 
     peer_tools.py gguf-path                           # where the default model's GGUF lies
     peer_tools.py gemm-rate DTYPE OUT                 # torch's GEMM GFLOP/s and the model's sizes -> OUT (JSON)
     peer_tools.py merge-offline OUT RUN.json...       # one `bench throughput` run a round -> one JSON
+    peer_tools.py merge-latency OUT RUN.json...       # one `bench latency` call a round -> one JSON
     peer_tools.py table OUT_DIR                       # the Markdown table from OUT_DIR's JSON files
     peer_tools.py serve-table OUT_DIR/cpu-serve       # the CPU-serve latency table
 """
@@ -346,6 +347,25 @@ def serve_table(out_dir: Path) -> int:
     return 0
 
 
+def merge_latency(out: Path, run_files: list[Path]) -> int:
+    """`bench latency` JSONs of one prompt length each (one call a round, between the peers' runs) as
+    one file of the same shape: every round's runs in `pagoda_runs`, their medians in `pagoda`, as
+    `bench latency` takes them over its own runs."""
+    from pagoda.bench.latency import _median_of
+
+    records = [json.loads(f.read_text()) for f in run_files if f.exists()]
+    if not records:
+        print("no Pagoda single-stream runs to merge", file=sys.stderr)
+        return 1
+    merged = records[0]
+    runs = [run for rec in records for run in rec["results"][0]["pagoda_runs"]]
+    merged["results"][0]["pagoda_runs"] = runs
+    merged["results"][0]["pagoda"] = _median_of(runs)
+    merged["rounds"] = len(records)
+    out.write_text(json.dumps(merged, indent=2))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     cmd, *args = argv
     if cmd == "wait-ready":
@@ -360,6 +380,8 @@ def main(argv: list[str]) -> int:
         return gemm_rate(args[0], Path(args[1]))
     if cmd == "merge-offline":
         return merge_offline(Path(args[0]), [Path(a) for a in args[1:]])
+    if cmd == "merge-latency":
+        return merge_latency(Path(args[0]), [Path(a) for a in args[1:]])
     if cmd == "table":
         return table(Path(args[0]))
     if cmd == "serve-table":
