@@ -48,20 +48,6 @@ namespace {
 using namespace pagoda_bf16;
 using Opt = std::optional<torch::Tensor>;
 constexpr int kCols = kNB * kBlock;  // output columns per task
-// silu(gate) * up for the n columns of one row of [gate | up] bf16 bits (gate j at gu[j], up j at
-// gu[n + j]), as layer_ops' silu_and_mul computes it; `table`: pagoda::silu_bf16_table().
-void silu_halves(const uint16_t* gu, int64_t n, const float* table, uint16_t* dst) {
-  int64_t j = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  for (; j < n; j += kBlock) {
-    const __mmask16 mask = n - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512i gate = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, gu + j));
-    _mm256_mask_storeu_epi16(dst + j, mask, silu_mul16(gate, from_bf16(_mm256_maskz_loadu_epi16(mask, gu + n + j)), table));
-  }
-#endif
-  for (; j < n; ++j) dst[j] = bf16(table[gu[j]] * to_float(gu[n + j])).x;
-}
-
 // Rows [r0, r1) of x against one task's packed weights w (k wide), written to y's columns
 // [col0, col0 + 64) that lie below n, each column's sum times scale[col] (if given) plus bias[col].
 // `cached`: w was just written (a widened panel), so never prefetch it non-temporal. `next`: the
@@ -225,7 +211,7 @@ torch::Tensor gemm_bf16_silu(const torch::Tensor& x, const torch::Tensor& w, int
     gemm_blocks(x, *q, {}, 2 * n, gate_up);
     const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
     auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < m; ++i) silu_halves(gp + i * 2 * n, n, table, yp + i * n);
+    for (int64_t i = 0; i < m; ++i) pagoda::silu_mul_row(gp + i * 2 * n, gp + i * 2 * n + n, n, table, yp + i * n);
     return y;
   }
   run_tasks(x, w, nullptr, y, table);

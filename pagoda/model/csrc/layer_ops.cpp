@@ -45,13 +45,7 @@ static inline float load(bf16 x) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-// Round to nearest even, NaN kept a NaN: c10's conversion, inline so that the loops vectorise.
-static inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // a select: vectorises
-}
+using pagoda::bf16_bits;  // silu_bf16.h: c10's rounding, in a form that vectorises
 template <typename T> static inline float rnd(float f);
 template <> inline float rnd<float>(float f) { return f; }
 template <> inline float rnd<bf16>(float f) {
@@ -211,7 +205,9 @@ static void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
       const T *g = xp + i * xs, *u = g + I;
       T* o = op + i * I;
       if constexpr (std::is_same_v<T, bf16>) {
-        for (int64_t j = 0; j < I; ++j) store(o + j, table[g[j].x] * load(u[j]));
+        static_assert(sizeof(bf16) == sizeof(uint16_t), "bf16 is its bits");
+        pagoda::silu_mul_row(reinterpret_cast<const uint16_t*>(g), reinterpret_cast<const uint16_t*>(u), I, table,
+                             reinterpret_cast<uint16_t*>(o));
       } else {
         for (int64_t j = 0; j < I; ++j) {
           const float gj = load(g[j]);
