@@ -62,6 +62,9 @@ inline __m256i to_bf16(__m512 v) {
 
 inline __m512 from_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
+// The first n of 16 lanes: none for n <= 0, all for n >= 16 (a row's tail in masked loads and stores).
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); }
+
 inline __m512 round16(__m512 v) { return from_bf16(to_bf16(v)); }
 
 inline __m256i load16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -232,7 +235,7 @@ inline void store_silu_row(const float* c, int64_t cols, const float* table, uin
   int64_t j = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   for (; j < cols; j += kBlock) {
-    const __mmask16 mask = cols - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    const __mmask16 mask = first_lanes(cols - j);
     const __m512i gate = _mm512_cvtepu16_epi32(to_bf16(_mm512_loadu_ps(c + j)));
     _mm256_mask_storeu_epi16(dst + j, mask, silu_mul16(gate, round16(_mm512_loadu_ps(c + kUp + j)), table));
   }
@@ -245,7 +248,7 @@ inline void store_row(const float* c, int64_t cols, const float* scale, const fl
   int64_t j = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   for (; j < cols; j += kBlock) {
-    const __mmask16 mask = cols - j >= kBlock ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    const __mmask16 mask = first_lanes(cols - j);
     __m512 v = _mm512_loadu_ps(c + j);
     if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scale + j));
     if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + j));

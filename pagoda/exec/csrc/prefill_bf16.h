@@ -75,7 +75,7 @@ struct Bf16Scores {
     const __m512 vs = _mm512_set1_ps(scale);
     __m512 m = _mm512_set1_ps(init);
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+      const __mmask16 k = pagoda_bf16::first_lanes(n - j);
       const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vs);
       _mm512_mask_storeu_ps(s + j, k, x);
       m = _mm512_mask_max_ps(m, k, x, m);
@@ -160,15 +160,15 @@ struct Bf16Values {
     const int64_t k2 = (keys + 1) & ~int64_t{1};  // P is 0 past the block's keys, the values 0 past nk
     std::vector<uint16_t>& pb = scratch.pb;
     pb.resize(rows * BK);
-    const auto lanes = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << std::max<int64_t>(n, 0)) - 1); };
+    using pagoda_bf16::first_lanes;
     // vcvtneps2bf16 rounds to nearest even as to_bf16 does, in one instruction (2-3 % of the kernel);
     // it differs only where no output can tell: a NaN probability (its row is NaN anyway) keeps its
     // payload, and one below float32's normal range (< 1.2e-38, far under the output's last bit)
     // becomes 0.
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < k2; j += 16) {
-        const __m512 p = _mm512_maskz_loadu_ps(lanes(keys - j), P + r * BK + j);  // 0 past `keys`
-        _mm256_mask_storeu_epi16(&pb[r * BK + j], lanes(k2 - j), (__m256i)_mm512_cvtneps_pbh(p));
+        const __m512 p = _mm512_maskz_loadu_ps(first_lanes(keys - j), P + r * BK + j);  // 0 past `keys`
+        _mm256_mask_storeu_epi16(&pb[r * BK + j], first_lanes(k2 - j), (__m256i)_mm512_cvtneps_pbh(p));
       }
     auto* c = scratch.c;
     for (int64_t t = 0; t < tasks; ++t) {
