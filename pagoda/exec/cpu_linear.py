@@ -29,6 +29,12 @@ plain one is dropped (the tied head's is the embedding's, which stays). PAGODA_N
 those linears back to oneDNN. A model dequantized from a GGUF file keeps a second copy in the file's
 blocks where they widen to the same bf16 values, which the GEMM reads for up to 8 rows
 (gguf_block_linears: SmolLM2's Q4_1 linears and Q8_0 head, 98 MB against 269 MB a decode step).
+
+Where oneDNN has AMX it wins instead, and the bf16 linears stay with it (PAGODA_BF16_GEMM=1 still
+picks our GEMM, which the quantized paths use either way). On a 2-core Xeon with AMX, SmolLM2's
+projections, ours against oneDNN's packed GEMM: 2-3.7x oneDNN's time at 16-64 rows, 5-12x at 512
+and 2,048 (oneDNN ~2,200 GFLOP/s there), 0.34-1.3x for 1-8 rows; the head 1.7-4x at any count
+(docs/perf-notes.md, "AMX").
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from torch import nn
 from pagoda.exec.cpu_kernels import load_gemm_bf16
 from pagoda.exec.gguf_block_linears import pack_blocks, source_blocks
 from pagoda.model.llama import LlamaMLP
-from pagoda.model.loader import cpu_has_bf16
+from pagoda.model.loader import cpu_has_amx, cpu_has_bf16
 from pagoda.model.mmap_weights import release_pages
 
 logger = logging.getLogger(__name__)
@@ -69,8 +75,10 @@ def gemm_kernel():
 
 
 def gemm_applies(weight: torch.Tensor) -> bool:
-    """Whether `weight` [N, K] runs on the bf16 GEMM (bf16, K even, the kernel here)."""
-    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and gemm_kernel() is not None
+    """Whether `weight` [N, K] runs on the bf16 GEMM: bf16, K even, the kernel here, and no AMX for
+    oneDNN (last paragraph of the module's docstring) unless PAGODA_BF16_GEMM=1 asks for it."""
+    return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and gemm_kernel() is not None
+            and (not cpu_has_amx() or os.environ.get("PAGODA_BF16_GEMM") == "1"))
 
 
 def pack_tasks(w: torch.Tensor, group: int = 2) -> torch.Tensor:

@@ -8,6 +8,7 @@ Face id found in the local Hugging Face cache (pagoda/model/hf_cache.py).
 from __future__ import annotations
 
 import json
+import os
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def cpu_has_bf16() -> bool:
     """True on CPUs with native bf16 matrix instructions (AVX512-BF16 or AMX), where bf16 is fast."""
     return not {"avx512_bf16", "amx_bf16"}.isdisjoint(cpu_flags().split())
+
+
+def cpu_has_amx() -> bool:
+    """True on CPUs with AMX bf16 tiles that oneDNN may use (ONEDNN_MAX_CPU_ISA, where set, names an
+    AMX level or all of them)."""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return "amx_bf16" in cpu_flags().split() and (limit in ("ALL", "DEFAULT") or "AMX" in limit)
 
 
 def load_config(source: ModelSource, use_cache: bool = True, light: bool = False):

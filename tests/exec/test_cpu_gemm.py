@@ -1,6 +1,7 @@
 """The bf16 GEMM (exec/csrc/gemm_bf16.cpp) computes x @ w.T (+ bias) to one bf16 rounding of the
 float32 sum for any row count and shape, its int8 form x @ q.T * scale the same way, and the packed
-linears and head use it exactly where the CPU has AVX512-BF16."""
+linears and head use it exactly where the CPU has AVX512-BF16 and oneDNN no AMX (or
+PAGODA_BF16_GEMM=1 asks for it)."""
 
 from __future__ import annotations
 
@@ -120,6 +121,7 @@ def test_packed_linears_and_head_take_the_gemm_exactly_where_it_applies(monkeypa
     assert not PackedLinear(fp32).gemm and PackedLinear(fp32).packed.is_mkldnn
     if not cpu_linear._native_bf16():
         return  # bf16 is not packed at all there (test_cpu_linear)
+    monkeypatch.setenv("PAGODA_BF16_GEMM", "1")  # the policy is test_amx_leaves_bf16_linears_to_onednn's
     packed, head = PackedLinear(linear), PackedLMHead(linear.weight)
     assert packed.gemm == head.gemm == (gemm_kernel() is not None)
     assert not PackedLinear(odd).gemm
@@ -146,7 +148,37 @@ def test_the_off_switch_gives_bf16_linears_back_to_onednn(monkeypatch):
 
 
 @needs_gemm
-def test_packing_keeps_one_copy_of_each_layer_weight():
+@pytest.mark.parametrize("amx", [False, True])
+def test_amx_leaves_bf16_linears_to_onednn(monkeypatch, amx):
+    monkeypatch.setattr(cpu_linear, "cpu_has_amx", lambda: amx)
+    weight = torch.nn.Linear(64, 40).to(torch.bfloat16).weight
+    assert cpu_linear.gemm_applies(weight) is not amx
+    assert PackedLinear(torch.nn.Linear(64, 40).to(torch.bfloat16)).packed.is_mkldnn is amx
+    monkeypatch.setenv("PAGODA_BF16_GEMM", "1")
+    assert cpu_linear.gemm_applies(weight)
+
+
+@pytest.mark.parametrize(("flags", "limit", "amx"), [
+    ("avx2 avx512_bf16 amx_bf16 amx_tile", None, True),
+    ("avx2 avx512_bf16", None, False),
+    ("avx2 avx512_bf16 amx_bf16 amx_tile", "AVX512_CORE_AMX", True),
+    ("avx2 avx512_bf16 amx_bf16 amx_tile", "avx512_core_bf16", False),
+    ("avx2 avx512_bf16 amx_bf16 amx_tile", "AVX2", False),
+])
+def test_amx_is_what_the_cpu_has_and_onednn_may_use(monkeypatch, flags, limit, amx):
+    from pagoda.model import loader
+
+    monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
+    if limit is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
+    assert loader.cpu_has_amx() is amx
+
+
+@needs_gemm
+def test_packing_keeps_one_copy_of_each_layer_weight(monkeypatch):
+    monkeypatch.setenv("PAGODA_BF16_GEMM", "1")
     from pagoda.exec.cpu_linear import pack_linears
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16), torch.nn.Linear(64, 32).to(torch.bfloat16))

@@ -16,6 +16,12 @@ from pagoda.model.llama import LlamaMLP
 needs_gemm = pytest.mark.skipif(gemm_kernel() is None, reason="the CPU has no AVX512-BF16 (the bf16 GEMM is not used)")
 
 
+@pytest.fixture(autouse=True)
+def _our_gemm_even_with_amx(monkeypatch):
+    """These tests are of our GEMM's paths, which a CPU with AMX leaves to oneDNN unless asked."""
+    monkeypatch.setenv("PAGODA_BF16_GEMM", "1")
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)  # NaNs compared by their bits too
 

@@ -69,13 +69,14 @@ def skip_bf16_without_packed_linears(dtype: str) -> None:
 
 def _assert_fused_equals_modules(loaded_fn, monkeypatch, quantized: bool = False, **engine_args):
     want, _, _ = _outputs(loaded_fn(), monkeypatch, fused=False, **engine_args)
-    got, rows, _ = _outputs(loaded_fn(), monkeypatch, fused=True, **engine_args)
+    got, rows, llm = _outputs(loaded_fn(), monkeypatch, fused=True, **engine_args)
     assert got == want  # tokens, logprobs and prompt logprobs, bit for bit
     # Every decode step took the fused one, but those beyond QUANT_MAX_ROWS with quantized weights;
     # so did the prompts that had a step to themselves (a one-token prompt's step counts as a decode).
     assert {n for n, prompt in rows if not prompt} == set(range(1, (QUANT_MAX_ROWS if quantized else len(PROMPTS)) + 1))
     lone = {len(p) for p in LONE_PROMPTS}
     assert {n for n, prompt in rows if prompt} == ({n for n in lone if n <= QUANT_MAX_ROWS} if quantized else lone)
+    return llm
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama3", "float32"), ("llama3", "bfloat16"), ("qwen2", "bfloat16"),
@@ -89,6 +90,21 @@ def test_fused_step_equals_the_modules(tmp_path, monkeypatch, arch, dtype):
     skip_bf16_without_packed_linears(dtype)
     save_tiny_model(arch, tmp_path)
     _assert_fused_equals_modules(lambda: load_model(str(tmp_path), dtype=dtype, device="cpu"), monkeypatch)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_fused_bf16_step_equals_the_modules_on_either_gemm(tmp_path, monkeypatch, amx):
+    # Which GEMM a bf16 linear takes follows the CPU (cpu_linear.gemm_applies: oneDNN where it has AMX,
+    # else our GEMM): both here, whichever this CPU is.
+    skip_bf16_without_packed_linears("bfloat16")
+    if not amx and gemm_kernel() is None:
+        pytest.skip("the bf16 GEMM needs AVX512-BF16")
+    monkeypatch.setattr(cpu_linear, "cpu_has_amx", lambda: amx)
+    save_tiny_model("llama3", tmp_path)
+    loaded = lambda: load_model(str(tmp_path), dtype="bfloat16", device="cpu")  # noqa: E731
+    llm = _assert_fused_equals_modules(loaded, monkeypatch)
+    linears = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert linears and all(m.gemm is not amx for m in linears)
 
 
 def test_fused_step_equals_the_modules_with_quantized_weights(tmp_path, monkeypatch):
