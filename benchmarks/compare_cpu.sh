@@ -143,9 +143,15 @@ install_llamacpp() {  # llama-server from the llama.cpp source vendored in the l
         tar -xzf "$tarball" -C "$PEER_CACHE" || return 1
         mv "$PEER_CACHE/$top" "$src" || return 1
     fi
+    # On a CPU with AMX, -march=native compiles ggml's AMX matmul, which dies of a general protection
+    # fault in its ldtilecfg on the first batch (ggml_backend_amx_mul_mat, this version, a 2-core Xeon
+    # with AMX, 2026-12-06): there llama.cpp is built without AMX, on its AVX-512 VNNI kernels.
+    local no_amx=()
+    grep -qw amx_tile /proc/cpuinfo 2>/dev/null && no_amx=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
     cmake -S "$src/vendor/llama.cpp" -B "$PEER_CACHE/llama.cpp-build" -DCMAKE_BUILD_TYPE=Release \
         -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF >"$PEER_CACHE/llama.cpp-cmake.log" 2>&1 || return 1
+        -DLLAMA_BUILD_EXAMPLES=OFF "${no_amx[@]}" >"$PEER_CACHE/llama.cpp-cmake.log" 2>&1 || return 1
     cmake --build "$PEER_CACHE/llama.cpp-build" --target llama-server -j "$THREADS" \
         >"$PEER_CACHE/llama.cpp-build.log" 2>&1 || { echo "build failed: $PEER_CACHE/llama.cpp-build.log"; return 1; }
     [ -x "$bin" ]
