@@ -74,15 +74,11 @@ def gemm_kernel():
     return kernel if kernel is not None and kernel.has_avx512_bf16() else None
 
 
-def kernel_takes(weight: torch.Tensor) -> bool:
-    """Whether the bf16 GEMM kernel can compute with `weight` [N, K] (bf16, K even, the kernel here)."""
-    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and gemm_kernel() is not None
-
-
 def gemm_applies(weight: torch.Tensor) -> bool:
-    """Whether `weight` runs on the bf16 GEMM: where the kernel takes it and oneDNN has no AMX (last
-    paragraph of the module's docstring), or PAGODA_BF16_GEMM=1 asks for it."""
-    return kernel_takes(weight) and (not cpu_has_amx() or os.environ.get("PAGODA_BF16_GEMM") == "1")
+    """Whether `weight` [N, K] runs on the bf16 GEMM: bf16, K even, the kernel here, and no AMX for
+    oneDNN (last paragraph of the module's docstring) unless PAGODA_BF16_GEMM=1 asks for it."""
+    return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and gemm_kernel() is not None
+            and (not cpu_has_amx() or os.environ.get("PAGODA_BF16_GEMM") == "1"))
 
 
 def pack_tasks(w: torch.Tensor, group: int = 2) -> torch.Tensor:
@@ -155,30 +151,21 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def _gemm_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-                 blocks: torch.Tensor | None, gemm: bool = True) -> torch.Tensor:
-    """x through the bf16 GEMM over `packed` (its layout) and `blocks`; or, not `gemm`, through
-    `blocks` alone (a few rows beside oneDNN's `packed`)."""
+                 blocks: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = gemm_kernel().gemm_bf16(x, packed, bias, n, blocks) if gemm else gemm_kernel().gemm_bf16_blocks(x, blocks, bias, n)
-    return y.reshape(*shape[:-1], n)
+    return gemm_kernel().gemm_bf16(x, packed, bias, n, blocks).reshape(*shape[:-1], n)
 
 
-def block_copy(parts: list | None, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor | None:
+def block_copy(parts: list | None, packed: torch.Tensor, rows: int) -> torch.Tensor | None:
     """The GGUF blocks `parts` (a linear's, in order) in the GEMM's block layout, where they widen to
-    the bf16 `weight` value for value (`packed`: the weight as pack_gemm packs it, if at hand); else None."""
-    if not parts or sum(p.rows for p in parts) != weight.shape[0] or not kernel_takes(weight):
+    the bf16 weights `packed` (pack_gemm's, of `rows` rows) value for value; else None."""
+    if not parts or sum(p.rows for p in parts) != rows or gemm_kernel() is None:
         return None
     blocks = pack_blocks(parts)
-    widens = blocks is not None and gemm_kernel().blocks_widen_to(blocks, pack_gemm(weight) if packed is None else packed)
-    return blocks if widens else None
-
-
-def _few_rows(x: torch.Tensor, blocks: torch.Tensor | None) -> bool:
-    """Whether x's rows go to `blocks` beside oneDNN (a CPU with AMX; gemm_bf16_blocks)."""
-    return blocks is not None and x.numel() <= gemm_kernel().BLOCK_ROWS_MAX * x.shape[-1]
+    return blocks if blocks is not None and gemm_kernel().blocks_widen_to(blocks, packed) else None
 
 
 class PackedLMHead:
@@ -190,11 +177,11 @@ class PackedLMHead:
         self.out_features = weight.shape[0]
         self.gemm = gemm_applies(weight)
         self.packed = pack_gemm(weight) if self.gemm else _pack(weight)
-        self.blocks = block_copy(parts, weight, self.packed if self.gemm else None)
+        self.blocks = block_copy(parts, self.packed, weight.shape[0]) if self.gemm else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.gemm or _few_rows(hidden, self.blocks):
-            return _gemm_linear(hidden, self.packed, None, self.out_features, self.blocks, self.gemm)
+        if self.gemm:
+            return _gemm_linear(hidden, self.packed, None, self.out_features, self.blocks)
         return _packed_linear(hidden, self.packed, None)
 
 
@@ -216,7 +203,7 @@ class PackedLinear(nn.Module):
         packed = None  # a paired linear needs the [gate | up] packing only to check its blocks against
         if not (self.fuses_silu and not parts):
             packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
-        self.blocks = block_copy(parts, linear.weight, packed if self.gemm else None)  # as PackedLMHead's
+        self.blocks = block_copy(parts, packed, linear.out_features) if self.gemm else None  # as PackedLMHead's
         if self.fuses_silu:
             packed = pack_gemm(pair_gate_up(linear.weight.detach()))
         self.packed, self.paired = (None, packed) if self.fuses_silu else (packed, None)
@@ -227,8 +214,8 @@ class PackedLinear(nn.Module):
             pairs = _gemm_linear(x, self.paired, None, self.paired.shape[0] * _TASK_COLS, None)
             pairs = pairs.unflatten(-1, (-1, 2, _PAIR_COLS)).transpose(-3, -2).flatten(-2)
             return pairs[..., : self.out_features // 2].flatten(-2)
-        if self.gemm or _few_rows(x, self.blocks):
-            return _gemm_linear(x, self.packed, self.bias, self.out_features, self.blocks, self.gemm)
+        if self.gemm:
+            return _gemm_linear(x, self.packed, self.bias, self.out_features, self.blocks)
         return _packed_linear(x, self.packed, self.bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,8 +246,8 @@ def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor]
 
 def _blocks_for(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, list]:
     """The GGUF blocks (gguf_block_linears.source_blocks) of those of `weights` (module name ->
-    weight) that the bf16 GEMM's kernel can read."""
-    wanted = {name for name, w in weights.items() if kernel_takes(w)}
+    weight) that run on the bf16 GEMM."""
+    wanted = {name for name, w in weights.items() if gemm_applies(w)}
     return source_blocks(model, wanted) if wanted else {}
 
 

@@ -207,7 +207,7 @@ class FusedCPUDecoder:
             self._held += [(module, "packed", module.packed), (module, "blocks", module.blocks)]
             if module.gemm:
                 return ops.gemm_linear(module.packed, module.bias, module.out_features, module.blocks)
-            return ops.packed_linear(module.packed, module.bias, module.blocks, module.out_features)
+            return ops.packed_linear(module.packed, module.bias)
         if isinstance(module, QuantLinear):
             self._held.append((module, "parts", module.parts))
             return self._quantized(module.parts, None if module.bias is None else module.bias.detach(), module.kernel)

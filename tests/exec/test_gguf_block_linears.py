@@ -26,8 +26,6 @@ needs_gemm = pytest.mark.skipif(gemm_kernel() is None, reason="the CPU has no AV
 def _our_gemm_even_with_amx(monkeypatch):
     """These tests are of our GEMM's paths, which a CPU with AMX leaves to oneDNN unless asked."""
     monkeypatch.setenv("PAGODA_BF16_GEMM", "1")
-
-
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 
@@ -53,7 +51,7 @@ def test_blocks_widen_to_the_loaders_bf16_values(qtype):
 
 
 def _copy(parts, weight):
-    return block_copy(parts, weight, pack_gemm(weight))
+    return block_copy(parts, pack_gemm(weight), weight.shape[0])
 
 
 @needs_gemm
@@ -207,63 +205,3 @@ def test_smollm2_bf16_decodes_through_its_blocks_to_the_same_tokens(monkeypatch,
                 for o in outs]
 
     assert run(True) == run(False)
-
-
-def _amx(monkeypatch):
-    """As on a CPU whose oneDNN has AMX: bf16 linears packed for oneDNN, their blocks beside them."""
-    from pagoda.exec import cpu_linear
-
-    monkeypatch.setattr(cpu_linear, "cpu_has_amx", lambda: True)
-    monkeypatch.delenv("PAGODA_BF16_GEMM")
-
-
-@needs_gemm
-@pytest.mark.parametrize("qtype", TYPES)
-def test_with_amx_a_few_rows_read_the_blocks_and_more_rows_onednn(monkeypatch, qtype):
-    from pagoda.exec.cpu_linear import _packed_linear
-
-    _amx(monkeypatch)
-    parts = [_part(qtype, 200, 576, 7)]
-    linear = torch.nn.Linear(576, 200).to(torch.bfloat16)
-    linear.weight.data = _loaded_bf16(parts)
-    packed, head = PackedLinear(linear, parts), PackedLMHead(linear.weight, parts)
-    assert not packed.gemm and packed.packed.is_mkldnn and packed.blocks is not None
-    assert not head.gemm and head.packed.is_mkldnn and head.blocks is not None
-    ours, bias = pack_gemm(linear.weight), linear.bias.detach()  # a bias needing grad: oneDNN adds it apart
-    g = torch.Generator().manual_seed(1)
-    for rows in (1, 5, 8, 9, 64):
-        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
-        if rows <= 8:  # the GEMM's bits over its blocks
-            want, want_head = (gemm_kernel().gemm_bf16(x, ours, b, 200, packed.blocks) for b in (bias, None))
-        else:
-            want, want_head = _packed_linear(x, packed.packed, bias), _packed_linear(x, head.packed, None)
-        assert torch.equal(packed(x).view(torch.int16), want.view(torch.int16))
-        assert torch.equal(head(x).view(torch.int16), want_head.view(torch.int16))
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        gemm_kernel().gemm_bf16_blocks(torch.zeros(9, 576, dtype=torch.bfloat16), packed.blocks, None, 200)
-
-
-@needs_gemm
-def test_with_amx_the_fused_step_reads_the_blocks_as_the_modules_do(tmp_path, monkeypatch):
-    """The fused decode step serves oneDNN's linears with their blocks for a few rows, with the
-    modules' bits; the greedy tokens are those of oneDNN alone (the two differ in rare roundings)."""
-    from tests.model.test_gguf_and_errors import write_tiny_gguf
-    from tests.tiny_models import save_tiny_model
-
-    _amx(monkeypatch)
-    hf = save_tiny_model("llama_linear", tmp_path / "hf", hidden_size=256, intermediate_size=512, head_dim=64)
-    hf.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    path = tmp_path / "tiny-Q4_1.gguf"
-    write_tiny_gguf(hf, path, "Q4_1")
-    loaded = load_model(str(path), dtype="bfloat16")
-    llm = make_engine(loaded, num_gpu_blocks_override=64)
-    assert llm.engine.core.runner.fused_decode is not None
-    linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(not m.gemm and m.blocks is not None for m in linears)
-    fused = _greedy(path)
-    monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", "1")
-    assert _greedy(path) == fused  # tokens and logprobs, exactly
-    monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "1")
-    onednn = _greedy(path)
-    assert [tokens for tokens, _ in onednn] == [tokens for tokens, _ in fused]
-    assert np.allclose([lp for _, lps in onednn for lp in lps], [lp for _, lps in fused for lp in lps], atol=0.05)

@@ -32,14 +32,12 @@ using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::T
 using PrefillFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, double);
 using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t, const Opt&);
 using GemmSiluFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&);
-using GemmBlocksFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using GemmI8Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
 using MoEFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                 const torch::Tensor&, int64_t);
 
 constexpr int64_t kQuantMaxRows = 8;  // quant_matmul.cpp's fused rows (quant_linear.FUSED_ROWS)
-constexpr int64_t kBlockRowsMax = 8;  // block_tile.h's: the rows GGUF blocks serve (gemm_bf16.cpp)
 
 // cpu_linear.bucket_rows: m up to 16, else m rounded up to a multiple of an eighth of the power of
 // two below it, so that oneDNN builds few primitives.
@@ -69,7 +67,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return rows != m ? out.narrow(0, 0, m) : out;
 }
 
-// One projection: oneDNN packed (0; GGUF blocks, if given, serve a few rows where oneDNN has AMX), the bf16 GEMM over its packed weight (1: `packed` in its
+// One projection: oneDNN packed (0), the bf16 GEMM over its packed weight (1: `packed` in its
 // layout, `n` output columns), or weights kept quantized, one or more row blocks side by side, then
 // the bias (2), or int8 weights with a scale per column, then the bias: in the bf16 GEMM's layout (3)
 // or the W8A8 GEMM's (4); or an MLP's gate_up with SiLU-and-multiply in the bf16 GEMM (5: gemm_bf16_silu,
@@ -79,7 +77,7 @@ struct Linear {
   torch::Tensor packed, scale;
   int64_t n = 0;
   Opt bias;
-  Opt blocks;  // kinds 0, 1, 5: the same weights in GGUF blocks, for a few rows (gemm_bf16.cpp)
+  Opt blocks;  // kind 1: the same weights in GGUF blocks, for a few rows (gemm_bf16.cpp)
   std::vector<torch::Tensor> qdata;
   std::vector<int64_t> qtype;
   std::vector<Opt> qscale;
@@ -126,7 +124,6 @@ struct Kernels {
   WriteKVFn write_kv;
   GemmFn gemm_bf16 = nullptr;    // only where the CPU has AVX512-BF16
   GemmSiluFn gemm_bf16_silu = nullptr;
-  GemmBlocksFn gemm_bf16_blocks = nullptr;
   GemmI8Fn gemm_i8_bf16 = nullptr;
   GemmI8Fn gemm_int8 = nullptr;  // the W8A8 GEMM (gemm_int8.cpp), only where the CPU has AVX512-VNNI
   QuantFn quant_matmul = nullptr;  // only for models with quantized weights
@@ -152,7 +149,6 @@ class DecodePlan {
     k_.write_kv = address<WriteKVFn>(at, "write_kv");
     k_.gemm_bf16 = address<GemmFn>(at, "gemm_bf16", false);
     k_.gemm_bf16_silu = address<GemmSiluFn>(at, "gemm_bf16_silu", false);
-    k_.gemm_bf16_blocks = address<GemmBlocksFn>(at, "gemm_bf16_blocks", false);
     k_.gemm_i8_bf16 = address<GemmI8Fn>(at, "gemm_i8_bf16", false);
     k_.gemm_int8 = address<GemmI8Fn>(at, "gemm_int8", false);
     k_.quant_matmul = address<QuantFn>(at, "quant_matmul", false);
@@ -164,8 +160,7 @@ class DecodePlan {
                  Linear o, Linear gate_up, Linear down, torch::Tensor k_cache, torch::Tensor v_cache, int64_t heads,
                  int64_t kv_heads, int64_t head_dim, double scale) {
     for (const Linear* l : {&qkv, &o, &gate_up, &down}) {
-      TORCH_CHECK((l->kind != 1 || k_.gemm_bf16) && (l->kind != 5 || k_.gemm_bf16_silu) &&
-                      (l->kind != 0 || !l->blocks || k_.gemm_bf16_blocks), "fused decode: a bf16 GEMM linear without its kernel");
+      TORCH_CHECK((l->kind != 1 || k_.gemm_bf16) && (l->kind != 5 || k_.gemm_bf16_silu), "fused decode: a bf16 GEMM linear without its kernel");
       TORCH_CHECK(l->kind != 3 || k_.gemm_i8_bf16, "fused decode: an int8 GEMM linear without its kernel");
       TORCH_CHECK(l->kind != 4 || k_.gemm_int8, "fused decode: a W8A8 linear without its kernel");
       TORCH_CHECK(l->kind != 2 || k_.quant_matmul, "fused decode: a quantized linear without its kernel");
@@ -314,8 +309,6 @@ class DecodePlan {
       const torch::Tensor out = f(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.scale, Opt(), l.n);
       return l.bias.has_value() ? out + *l.bias : out;
     }
-    if (l.kind == 0 && l.blocks.has_value() && x.size(0) <= kBlockRowsMax)
-      return k_.gemm_bf16_blocks(x.stride(-1) == 1 ? x : x.contiguous(), *l.blocks, l.bias, l.n);
     if (l.kind != 2) return packed_linear(x, l.packed, l.bias);
     const torch::Tensor xc = x.contiguous();
     std::vector<torch::Tensor> outs;
@@ -331,15 +324,19 @@ class DecodePlan {
   bool quantized_ = false;  // then at most kQuantMaxRows rows: beyond, the modules dequantize for a GEMM
 };
 
-Linear packed(torch::Tensor packed, Opt bias, Opt blocks, int64_t n) {
+Linear packed(torch::Tensor packed, Opt bias) {
   Linear l;
-  l.packed = packed, l.bias = bias, l.blocks = blocks, l.n = n;
+  l.kind = 0;
+  l.packed = packed;
+  l.bias = bias;
   return l;
 }
 
 Linear gemm(torch::Tensor packed, Opt bias, int64_t n, Opt blocks) {
-  Linear l = ::packed(packed, bias, blocks, n);
+  Linear l = ::packed(packed, bias);
   l.kind = 1;
+  l.n = n;
+  l.blocks = blocks;
   return l;
 }
 
@@ -379,7 +376,7 @@ Linear quantized(std::vector<torch::Tensor> data, std::vector<int64_t> types, st
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear");
-  m.def("packed_linear", &packed, py::arg("packed"), py::arg("bias"), py::arg("blocks") = py::none(), py::arg("n") = 0);
+  m.def("packed_linear", &packed);
   m.def("gemm_linear", &gemm, py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("blocks") = py::none());
   m.def("gemm_silu_linear", &gemm_silu);
   m.def("int8_gemm_linear", &gemm_i8);
