@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--arms", nargs="+", default=["offline", "serve"],
                         choices=["offline", "serve", "serve-nice", "serve-nice-api", "serve-nice-client"])
-    parser.add_argument("--nice", type=int, default=10, help="niceness of serve-nice's API process and client")
+    parser.add_argument("--nice", type=int, default=10, help="niceness in the serve-nice arms")
     parser.add_argument("--port", type=int, default=8437)
     args = parser.parse_args()
     nice = args.nice

@@ -8,8 +8,8 @@ Face id found in the local Hugging Face cache (pagoda/model/hf_cache.py).
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator

@@ -113,7 +113,8 @@ def test_gemm_refuses_what_it_cannot_compute():
         kernel.gemm_i8_bf16(torch.zeros(1, 8, dtype=torch.bfloat16), packed, torch.ones(70), None, 70)
 
 
-def test_packed_linears_and_head_take_the_gemm_exactly_where_it_applies(monkeypatch):
+@pytest.mark.usefixtures("our_bf16_gemm")  # the AMX policy is test_amx_leaves_bf16_linears_to_onednn's
+def test_packed_linears_and_head_take_the_gemm_exactly_where_it_applies():
     g = torch.Generator().manual_seed(4)
     linear = torch.nn.Linear(64, 40).to(torch.bfloat16)
     odd = torch.nn.Linear(63, 40).to(torch.bfloat16)  # K odd: no pairs of k, oneDNN keeps it
@@ -121,7 +122,6 @@ def test_packed_linears_and_head_take_the_gemm_exactly_where_it_applies(monkeypa
     assert not PackedLinear(fp32).gemm and PackedLinear(fp32).packed.is_mkldnn
     if not cpu_linear._native_bf16():
         return  # bf16 is not packed at all there (test_cpu_linear)
-    monkeypatch.setenv("PAGODA_BF16_GEMM", "1")  # the policy is test_amx_leaves_bf16_linears_to_onednn's
     packed, head = PackedLinear(linear), PackedLMHead(linear.weight)
     assert packed.gemm == head.gemm == (gemm_kernel() is not None)
     assert not PackedLinear(odd).gemm
@@ -177,8 +177,8 @@ def test_amx_is_what_the_cpu_has_and_onednn_may_use(monkeypatch, flags, limit, a
 
 
 @needs_gemm
-def test_packing_keeps_one_copy_of_each_layer_weight(monkeypatch):
-    monkeypatch.setenv("PAGODA_BF16_GEMM", "1")
+@pytest.mark.usefixtures("our_bf16_gemm")
+def test_packing_keeps_one_copy_of_each_layer_weight():
     from pagoda.exec.cpu_linear import pack_linears
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16), torch.nn.Linear(64, 32).to(torch.bfloat16))

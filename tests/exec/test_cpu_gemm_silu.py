@@ -14,12 +14,7 @@ from pagoda.model.layers import silu_and_mul
 from pagoda.model.llama import LlamaMLP
 
 needs_gemm = pytest.mark.skipif(gemm_kernel() is None, reason="the CPU has no AVX512-BF16 (the bf16 GEMM is not used)")
-
-
-@pytest.fixture(autouse=True)
-def _our_gemm_even_with_amx(monkeypatch):
-    """These tests are of our GEMM's paths, which a CPU with AMX leaves to oneDNN unless asked."""
-    monkeypatch.setenv("PAGODA_BF16_GEMM", "1")
+pytestmark = pytest.mark.usefixtures("our_bf16_gemm")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,8 @@ from tests.conftest import make_engine
 
 gguf = pytest.importorskip("gguf")
 needs_gemm = pytest.mark.skipif(gemm_kernel() is None, reason="the CPU has no AVX512-BF16 (the bf16 GEMM is not used)")
+pytestmark = pytest.mark.usefixtures("our_bf16_gemm")
 
-
-@pytest.fixture(autouse=True)
-def _our_gemm_even_with_amx(monkeypatch):
-    """These tests are of our GEMM's paths, which a CPU with AMX leaves to oneDNN unless asked."""
-    monkeypatch.setenv("PAGODA_BF16_GEMM", "1")
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 
