@@ -31,7 +31,9 @@ blocks where they widen to the same bf16 values, which the GEMM reads for up to 
 (gguf_block_linears: SmolLM2's Q4_1 linears and Q8_0 head, 98 MB against 269 MB a decode step).
 
 Where oneDNN has AMX it wins instead, and the bf16 linears stay with it (PAGODA_BF16_GEMM=1 still
-picks our GEMM, which the quantized paths use either way). On a 2-core Xeon with AMX, SmolLM2's
+picks our GEMM, which the quantized paths use either way); their GGUF blocks, where kept, still
+serve up to 8 rows of a step of decodes (`decode_step`) through our kernel (`gemm_bf16_blocks`),
+which widens four-bit values faster than oneDNN reads the bf16 copy (1-6 rows; alike at 8). On a 2-core Xeon with AMX, SmolLM2's
 projections, ours against oneDNN's packed GEMM: 2-3.7x oneDNN's time at 16-64 rows, 5-12x at 512
 and 2,048 (oneDNN ~2,200 GFLOP/s there), 0.34-1.3x for 1-8 rows; the head 1.7-4x at any count
 (docs/perf-notes.md, "AMX").
@@ -41,8 +43,10 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -58,6 +62,7 @@ logger = logging.getLogger(__name__)
 _ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows; any count works
 _TASK_COLS = 64  # output columns per task of the bf16 GEMM (gemm_bf16.cpp's kCols)
 _PAIR_COLS = _TASK_COLS // 2  # gate (and up) columns per task of gemm_bf16_silu
+BLOCK_ROWS = 8  # the most rows GGUF blocks serve (gemm_bf16.cpp's kBlockRowsMax)
 
 
 @lru_cache(maxsize=1)
@@ -74,11 +79,15 @@ def gemm_kernel():
     return kernel if kernel is not None and kernel.has_avx512_bf16() else None
 
 
+def kernel_takes(weight: torch.Tensor) -> bool:
+    """Whether the bf16 GEMM kernel can compute with `weight` [N, K] (bf16, K even, the kernel here)."""
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and gemm_kernel() is not None
+
+
 def gemm_applies(weight: torch.Tensor) -> bool:
-    """Whether `weight` [N, K] runs on the bf16 GEMM: bf16, K even, the kernel here, and no AMX for
-    oneDNN (last paragraph of the module's docstring) unless PAGODA_BF16_GEMM=1 asks for it."""
-    return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and gemm_kernel() is not None
-            and (not cpu_has_amx() or os.environ.get("PAGODA_BF16_GEMM") == "1"))
+    """Whether `weight` runs on the bf16 GEMM: where the kernel takes it and oneDNN has no AMX (last
+    paragraph of the module's docstring), or PAGODA_BF16_GEMM=1 asks for it."""
+    return kernel_takes(weight) and (not cpu_has_amx() or os.environ.get("PAGODA_BF16_GEMM") == "1")
 
 
 def pack_tasks(w: torch.Tensor, group: int = 2) -> torch.Tensor:
@@ -151,21 +160,48 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def _gemm_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-                 blocks: torch.Tensor | None) -> torch.Tensor:
+                 blocks: torch.Tensor | None, gemm: bool = True) -> torch.Tensor:
+    """x through the bf16 GEMM over `packed` (its layout) and `blocks`; or, not `gemm`, through
+    `blocks` alone (a few rows beside oneDNN's `packed`)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return gemm_kernel().gemm_bf16(x, packed, bias, n, blocks).reshape(*shape[:-1], n)
+    y = gemm_kernel().gemm_bf16(x, packed, bias, n, blocks) if gemm else gemm_kernel().gemm_bf16_blocks(x, blocks, bias, n)
+    return y.reshape(*shape[:-1], n)
 
 
-def block_copy(parts: list | None, packed: torch.Tensor, rows: int) -> torch.Tensor | None:
+def block_copy(parts: list | None, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor | None:
     """The GGUF blocks `parts` (a linear's, in order) in the GEMM's block layout, where they widen to
-    the bf16 weights `packed` (pack_gemm's, of `rows` rows) value for value; else None."""
-    if not parts or sum(p.rows for p in parts) != rows or gemm_kernel() is None:
+    the bf16 `weight` value for value (`packed`: the weight as pack_gemm packs it, if at hand); else None."""
+    if not parts or sum(p.rows for p in parts) != weight.shape[0] or not kernel_takes(weight):
         return None
     blocks = pack_blocks(parts)
-    return blocks if blocks is not None and gemm_kernel().blocks_widen_to(blocks, packed) else None
+    widens = blocks is not None and gemm_kernel().blocks_widen_to(blocks, pack_gemm(weight) if packed is None else packed)
+    return blocks if widens else None
+
+
+# Whether the running step's rows are all decodes (`decode_step`): only then do a few rows read the
+# GGUF blocks beside oneDNN. Our GEMM and oneDNN round apart in rare elements, and a prompt's
+# positions must round alike whatever the prompt's length (its logprobs, echoed, are the same tokens'
+# inside a longer prompt), so every prompt row is oneDNN's.
+_decodes: ContextVar[bool] = ContextVar("pagoda_decode_step", default=False)
+
+
+@contextmanager
+def decode_step(decodes: bool = True) -> Iterator[None]:
+    """Within: the model's step is one of decodes only (or not, `decodes` False)."""
+    token = _decodes.set(decodes)
+    try:
+        yield
+    finally:
+        _decodes.reset(token)
+
+
+def _few_rows(x: torch.Tensor, blocks: torch.Tensor | None) -> bool:
+    """Whether x's rows go to `blocks` beside oneDNN (a CPU with AMX; gemm_bf16_blocks): a few rows
+    of a step of decodes."""
+    return blocks is not None and _decodes.get() and x.numel() <= BLOCK_ROWS * x.shape[-1]
 
 
 class PackedLMHead:
@@ -177,7 +213,8 @@ class PackedLMHead:
         self.out_features = weight.shape[0]
         self.gemm = gemm_applies(weight)
         self.packed = pack_gemm(weight) if self.gemm else _pack(weight)
-        self.blocks = block_copy(parts, self.packed, weight.shape[0]) if self.gemm else None
+        # Beside oneDNN (AMX) the head's Q8_0 blocks are slower than its bf16 weights even for one row.
+        self.blocks = block_copy(parts, weight, self.packed) if self.gemm else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gemm:
@@ -203,7 +240,7 @@ class PackedLinear(nn.Module):
         packed = None  # a paired linear needs the [gate | up] packing only to check its blocks against
         if not (self.fuses_silu and not parts):
             packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
-        self.blocks = block_copy(parts, packed, linear.out_features) if self.gemm else None  # as PackedLMHead's
+        self.blocks = block_copy(parts, linear.weight, packed if self.gemm else None)  # as PackedLMHead's
         if self.fuses_silu:
             packed = pack_gemm(pair_gate_up(linear.weight.detach()))
         self.packed, self.paired = (None, packed) if self.fuses_silu else (packed, None)
@@ -214,8 +251,8 @@ class PackedLinear(nn.Module):
             pairs = _gemm_linear(x, self.paired, None, self.paired.shape[0] * _TASK_COLS, None)
             pairs = pairs.unflatten(-1, (-1, 2, _PAIR_COLS)).transpose(-3, -2).flatten(-2)
             return pairs[..., : self.out_features // 2].flatten(-2)
-        if self.gemm:
-            return _gemm_linear(x, self.packed, self.bias, self.out_features, self.blocks)
+        if self.gemm or _few_rows(x, self.blocks):
+            return _gemm_linear(x, self.packed, self.bias, self.out_features, self.blocks, self.gemm)
         return _packed_linear(x, self.packed, self.bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,8 +283,8 @@ def logits_fn(model: nn.Module, device: torch.device) -> Callable[[torch.Tensor]
 
 def _blocks_for(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, list]:
     """The GGUF blocks (gguf_block_linears.source_blocks) of those of `weights` (module name ->
-    weight) that run on the bf16 GEMM."""
-    wanted = {name for name, w in weights.items() if gemm_applies(w)}
+    weight) that the bf16 GEMM's kernel can read."""
+    wanted = {name for name, w in weights.items() if kernel_takes(w)}
     return source_blocks(model, wanted) if wanted else {}
 
 

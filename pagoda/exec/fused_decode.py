@@ -110,14 +110,16 @@ class FusedCPUDecoder:
         return (self.prompts and meta.num_decodes == 0 and meta.num_reqs == 1
                 and int(meta.seq_lens_cpu[0]) == num_tokens)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
+            decodes: bool = False) -> torch.Tensor:
+        """The step's hidden states; `decodes`: no row is a prompt's (cpu_linear.decode_step)."""
         if self.plan is None or any(getattr(owner, attr) is not held for owner, attr, held in self._held):
             self.plan = self._build()
         inner = self.model.model
         nd = meta.num_decodes
         table = inner.rotary.table(max(meta.seq_lens_cpu))  # a decode's position is its length - 1
         h, residual = self.plan.run(inner.embed_tokens(input_ids), positions, table, meta.slot_mapping,
-                                    meta.block_tables[:nd], meta.seq_lens[:nd], nd == 0)
+                                    meta.block_tables[:nd], meta.seq_lens[:nd], nd == 0, decodes)
         return inner.norm.add_forward(h, residual)[0]
 
     def release(self) -> None:
@@ -207,7 +209,7 @@ class FusedCPUDecoder:
             self._held += [(module, "packed", module.packed), (module, "blocks", module.blocks)]
             if module.gemm:
                 return ops.gemm_linear(module.packed, module.bias, module.out_features, module.blocks)
-            return ops.packed_linear(module.packed, module.bias)
+            return ops.packed_linear(module.packed, module.bias, module.blocks, module.out_features)
         if isinstance(module, QuantLinear):
             self._held.append((module, "parts", module.parts))
             return self._quantized(module.parts, None if module.bias is None else module.bias.detach(), module.kernel)

@@ -20,7 +20,7 @@ import torch
 
 from pagoda.contracts.step import ScheduledRequest, SchedulerOutput
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
-from pagoda.exec.cpu_linear import logits_fn, pack_linears
+from pagoda.exec.cpu_linear import BLOCK_ROWS, decode_step, logits_fn, pack_linears
 from pagoda.exec.quant_linear import install_quant_kernels
 from pagoda.exec.cpu_moe import prepare_experts
 from pagoda.exec.cpu_memory import keep_freed_memory
@@ -145,6 +145,13 @@ class ModelRunner:
     def release(self, request_ids: list[str]) -> None:
         """Drop the state of requests that ended (idempotent)."""
         self._forget(request_ids)
+
+    def _decodes_only(self, order: list[ScheduledRequest]) -> bool:
+        """Whether no row of the step is a prompt's (a few rows may then read a linear's GGUF blocks:
+        cpu_linear.decode_step); asked only of the few requests such a step can have."""
+        states = self.requests
+        return len(order) <= BLOCK_ROWS and all(
+            s.num_computed_tokens >= len(states[s.request_id].prompt_token_ids) for s in order)
 
     def _forget(self, request_ids: list[str], keep_generator: bool = False) -> None:
         for rid in request_ids:
@@ -274,9 +281,10 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(meta.num_decodes, meta.num_reqs):
             hidden = self.graphs.run(input_ids, positions, meta)  # padding rows already dropped
         elif self.fused_decode is not None and self.fused_decode.can_run(meta, input_ids.shape[0]):
-            hidden = self.fused_decode.run(input_ids, positions, meta)
+            hidden = self.fused_decode.run(input_ids, positions, meta, self._decodes_only(order))
         else:
-            hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
+            with decode_step(self._decodes_only(order)):
+                hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
         if hidden is None:
             return out  # a pipeline stage before the last: the next stage has its hidden states
         wanted = [(i, s) for i, s in enumerate(order) if s.prompt_logprobs_from is not None]

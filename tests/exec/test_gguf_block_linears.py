@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagoda import SamplingParams
-from pagoda.exec.cpu_linear import PackedLinear, PackedLMHead, block_copy, gemm_kernel, pack_gemm
+from pagoda.exec.cpu_linear import PackedLinear, PackedLMHead, block_copy, decode_step, gemm_kernel, pack_gemm
 from pagoda.exec.gguf_block_linears import pack_blocks, widen_blocks
 from pagoda.exec.weight_tensors import check_same_layout, copy_weights
 from pagoda.model.loader import load_model
@@ -47,7 +47,7 @@ def test_blocks_widen_to_the_loaders_bf16_values(qtype):
 
 
 def _copy(parts, weight):
-    return block_copy(parts, pack_gemm(weight), weight.shape[0])
+    return block_copy(parts, weight, pack_gemm(weight))
 
 
 @needs_gemm
@@ -201,3 +201,108 @@ def test_smollm2_bf16_decodes_through_its_blocks_to_the_same_tokens(monkeypatch,
                 for o in outs]
 
     assert run(True) == run(False)
+
+
+def _amx(monkeypatch):
+    """As on a CPU whose oneDNN has AMX: bf16 linears packed for oneDNN, their blocks beside them."""
+    from pagoda.exec import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "cpu_has_amx", lambda: True)
+    monkeypatch.delenv("PAGODA_BF16_GEMM")
+
+
+@needs_gemm
+@pytest.mark.parametrize("qtype", TYPES)
+def test_with_amx_a_few_rows_read_the_blocks_and_more_rows_and_the_head_onednn(monkeypatch, qtype):
+    from pagoda.exec.cpu_linear import _packed_linear
+
+    _amx(monkeypatch)
+    parts = [_part(qtype, 200, 576, 7)]
+    linear = torch.nn.Linear(576, 200).to(torch.bfloat16)
+    linear.weight.data = _loaded_bf16(parts)
+    packed, head = PackedLinear(linear, parts), PackedLMHead(linear.weight, parts)
+    assert not packed.gemm and packed.packed.is_mkldnn and packed.blocks is not None
+    assert not head.gemm and head.packed.is_mkldnn and head.blocks is None  # oneDNN reads the head faster
+    ours, bias = pack_gemm(linear.weight), linear.bias.detach()  # a bias needing grad: oneDNN adds it apart
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 5, 8, 9, 64):
+        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+        want_head, onednn = _packed_linear(x, head.packed, None), _packed_linear(x, packed.packed, bias)
+        # A step with a prompt's rows (the default) is oneDNN's at any row count.
+        assert torch.equal(packed(x).view(torch.int16), onednn.view(torch.int16))
+        with decode_step():
+            # A step of decodes: up to 8 rows the GEMM's bits over its blocks.
+            want = gemm_kernel().gemm_bf16(x, ours, bias, 200, packed.blocks) if rows <= 8 else onednn
+            assert torch.equal(packed(x).view(torch.int16), want.view(torch.int16))
+            assert torch.equal(head(x).view(torch.int16), want_head.view(torch.int16))
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        gemm_kernel().gemm_bf16_blocks(torch.zeros(9, 576, dtype=torch.bfloat16), packed.blocks, None, 200)
+
+
+def _tiny_q4_1(tmp_path):
+    from tests.model.test_gguf_and_errors import write_tiny_gguf
+    from tests.tiny_models import save_tiny_model
+
+    hf = save_tiny_model("llama_linear", tmp_path / "hf", hidden_size=256, intermediate_size=512, head_dim=64)
+    hf.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    path = tmp_path / "tiny-Q4_1.gguf"
+    write_tiny_gguf(hf, path, "Q4_1")
+    return path
+
+
+@needs_gemm
+def test_with_amx_a_prompt_rounds_as_onednn_at_any_length(tmp_path, monkeypatch):
+    """A prompt's rows never read the blocks beside oneDNN, however few, in the fused step or the
+    modules: its logprobs are oneDNN's alone, bit for bit, so a short prompt echoed scores its tokens
+    as they score inside a longer one. A decode step's few rows do read them (the modules' calls)."""
+    from pagoda.exec import cpu_linear
+
+    _amx(monkeypatch)
+    path = _tiny_q4_1(tmp_path)
+    reads: list[int] = []
+    gemm_linear = cpu_linear._gemm_linear
+
+    def spy(x, packed, bias, n, blocks, gemm=True):
+        if not gemm:
+            reads.append(x.numel() // x.shape[-1])
+        return gemm_linear(x, packed, bias, n, blocks, gemm)
+
+    monkeypatch.setattr(cpu_linear, "_gemm_linear", spy)
+
+    def scored():
+        llm = make_engine(load_model(str(path), dtype="bfloat16"), num_gpu_blocks_override=64, enable_prefix_caching=False)
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in ([5, 9, 2], PROMPTS[1][:8], PROMPTS[1])]
+        return [[None if d is None else {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs] for o in outs]
+
+    for fused in ("0", "1"):
+        monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", "1" if fused == "0" else "0")
+        monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "0")
+        with_blocks = scored()
+        monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "1")
+        assert scored() == with_blocks
+    assert reads == []
+    monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", "1")
+    monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "0")
+    _greedy(path)
+    assert reads and max(reads) <= 8
+
+
+@needs_gemm
+def test_with_amx_the_fused_step_reads_the_blocks_as_the_modules_do(tmp_path, monkeypatch):
+    """The fused decode step serves oneDNN's linears with their blocks for a few rows, with the
+    modules' bits; the greedy tokens are those of oneDNN alone (the two differ in rare roundings)."""
+    _amx(monkeypatch)
+    path = _tiny_q4_1(tmp_path)
+    loaded = load_model(str(path), dtype="bfloat16")
+    llm = make_engine(loaded, num_gpu_blocks_override=64)
+    assert llm.engine.core.runner.fused_decode is not None
+    linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(not m.gemm and m.blocks is not None for m in linears)
+    fused = _greedy(path)
+    monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", "1")
+    assert _greedy(path) == fused  # tokens and logprobs, exactly
+    monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "1")
+    onednn = _greedy(path)
+    assert [tokens for tokens, _ in onednn] == [tokens for tokens, _ in fused]
+    assert np.allclose([lp for _, lps in onednn for lp in lps], [lp for _, lps in fused for lp in lps], atol=0.05)

@@ -5,9 +5,8 @@
 // kernel, as the modules call it); at most kQuantMaxRows rows with quantized weights.
 //
 // Why: with one to a few sequences a step's kernels take ~5 ms of SmolLM2's ~9, and the Python that
-// calls them (module calls, views, checks: ~25 calls a layer, 30 layers) most of the rest. Here the
-// same kernels are called, in the same order on the same tensors, from C++: the results are the
-// Python path's bit for bit.
+// calls them (~25 calls a layer, 30 layers) most of the rest. Here the same kernels are called, in
+// the same order on the same tensors, from C++: the results are the Python path's bit for bit.
 //
 // The kernels live in the other extensions (model/csrc/layer_ops.cpp, exec/csrc/paged_decode.cpp,
 // prefill_attention.cpp, gemm_bf16.cpp, quant_matmul.cpp); each exports its entry points' addresses
@@ -32,12 +31,14 @@ using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::T
 using PrefillFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, double);
 using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t, const Opt&);
 using GemmSiluFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&);
+using GemmBlocksFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using GemmI8Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
 using MoEFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                 const torch::Tensor&, int64_t);
 
 constexpr int64_t kQuantMaxRows = 8;  // quant_matmul.cpp's fused rows (quant_linear.FUSED_ROWS)
+constexpr int64_t kBlockRowsMax = 8;  // block_tile.h's: the rows GGUF blocks serve (gemm_bf16.cpp)
 
 // cpu_linear.bucket_rows: m up to 16, else m rounded up to a multiple of an eighth of the power of
 // two below it, so that oneDNN builds few primitives.
@@ -67,17 +68,17 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return rows != m ? out.narrow(0, 0, m) : out;
 }
 
-// One projection: oneDNN packed (0), the bf16 GEMM over its packed weight (1: `packed` in its
-// layout, `n` output columns), or weights kept quantized, one or more row blocks side by side, then
-// the bias (2), or int8 weights with a scale per column, then the bias: in the bf16 GEMM's layout (3)
-// or the W8A8 GEMM's (4); or an MLP's gate_up with SiLU-and-multiply in the bf16 GEMM (5: gemm_bf16_silu,
-// `n` output columns, the activation's, not the projection's).
+// One projection: oneDNN packed (0; its GGUF blocks, if kept, serve a few rows of a step of decodes
+// where oneDNN has AMX), the bf16 GEMM over its packed weight (1: `packed` in its layout, `n` output
+// columns), or weights kept quantized, row blocks side by side, then the bias (2), or int8 weights
+// with a scale per column, then the bias: in the bf16 GEMM's layout (3) or the W8A8 GEMM's (4); or an
+// MLP's gate_up with SiLU-and-multiply in the bf16 GEMM (5: gemm_bf16_silu, `n`: the activation's).
 struct Linear {
   int kind = 0;
   torch::Tensor packed, scale;
   int64_t n = 0;
   Opt bias;
-  Opt blocks;  // kind 1: the same weights in GGUF blocks, for a few rows (gemm_bf16.cpp)
+  Opt blocks;  // kinds 0, 1, 5: the same weights in GGUF blocks, for a few rows (gemm_bf16.cpp)
   std::vector<torch::Tensor> qdata;
   std::vector<int64_t> qtype;
   std::vector<Opt> qscale;
@@ -124,6 +125,7 @@ struct Kernels {
   WriteKVFn write_kv;
   GemmFn gemm_bf16 = nullptr;    // only where the CPU has AVX512-BF16
   GemmSiluFn gemm_bf16_silu = nullptr;
+  GemmBlocksFn gemm_bf16_blocks = nullptr;
   GemmI8Fn gemm_i8_bf16 = nullptr;
   GemmI8Fn gemm_int8 = nullptr;  // the W8A8 GEMM (gemm_int8.cpp), only where the CPU has AVX512-VNNI
   QuantFn quant_matmul = nullptr;  // only for models with quantized weights
@@ -149,6 +151,7 @@ class DecodePlan {
     k_.write_kv = address<WriteKVFn>(at, "write_kv");
     k_.gemm_bf16 = address<GemmFn>(at, "gemm_bf16", false);
     k_.gemm_bf16_silu = address<GemmSiluFn>(at, "gemm_bf16_silu", false);
+    k_.gemm_bf16_blocks = address<GemmBlocksFn>(at, "gemm_bf16_blocks", false);
     k_.gemm_i8_bf16 = address<GemmI8Fn>(at, "gemm_i8_bf16", false);
     k_.gemm_int8 = address<GemmI8Fn>(at, "gemm_int8", false);
     k_.quant_matmul = address<QuantFn>(at, "quant_matmul", false);
@@ -160,7 +163,8 @@ class DecodePlan {
                  Linear o, Linear gate_up, Linear down, torch::Tensor k_cache, torch::Tensor v_cache, int64_t heads,
                  int64_t kv_heads, int64_t head_dim, double scale) {
     for (const Linear* l : {&qkv, &o, &gate_up, &down}) {
-      TORCH_CHECK((l->kind != 1 || k_.gemm_bf16) && (l->kind != 5 || k_.gemm_bf16_silu), "fused decode: a bf16 GEMM linear without its kernel");
+      TORCH_CHECK((l->kind != 1 || k_.gemm_bf16) && (l->kind != 5 || k_.gemm_bf16_silu) &&
+                      (l->kind != 0 || !l->blocks || k_.gemm_bf16_blocks), "fused decode: a bf16 GEMM linear without its kernel");
       TORCH_CHECK(l->kind != 3 || k_.gemm_i8_bf16, "fused decode: an int8 GEMM linear without its kernel");
       TORCH_CHECK(l->kind != 4 || k_.gemm_int8, "fused decode: a W8A8 linear without its kernel");
       TORCH_CHECK(l->kind != 2 || k_.quant_matmul, "fused decode: a quantized linear without its kernel");
@@ -215,13 +219,14 @@ class DecodePlan {
     e.top_k = top_k, e.renormalize = renormalize, e.expert_start = 0;
   }
 
-  // h: the embeddings [M, H]; each row a sequence's next token, or (`prompt`) the rows one prompt's
-  // tokens with no earlier context. Returns (the last layer's output, the residual stream), which
-  // the model's final norm adds and normalises, as LlamaModel.forward does after its layers.
+  // h: the embeddings [M, H]; each row a sequence's next token, or (`prompt`) one prompt's tokens with
+  // no earlier context; `decodes`: no row is a prompt's, so a few rows may read kind 0's blocks. Returns
+  // (the last layer's output, the residual stream), which the final norm adds and normalises.
   std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, torch::Tensor positions, torch::Tensor rope_table,
                                                torch::Tensor slots, torch::Tensor block_tables,
-                                               torch::Tensor seq_lens, bool prompt) {
+                                               torch::Tensor seq_lens, bool prompt, bool decodes) {
     const int64_t m = h.size(0);
+    decodes_ = decodes;
     TORCH_CHECK(!prompt || k_.prefill_attention, "fused decode: a prompt's step without the prefill kernel");
     TORCH_CHECK(m >= 1 && (m <= kQuantMaxRows || !quantized_), "fused decode: quantized weights take 1 to ",
                 kQuantMaxRows, " rows");
@@ -309,6 +314,8 @@ class DecodePlan {
       const torch::Tensor out = f(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.scale, Opt(), l.n);
       return l.bias.has_value() ? out + *l.bias : out;
     }
+    if (l.kind == 0 && l.blocks.has_value() && decodes_ && x.size(0) <= kBlockRowsMax)
+      return k_.gemm_bf16_blocks(x.stride(-1) == 1 ? x : x.contiguous(), *l.blocks, l.bias, l.n);
     if (l.kind != 2) return packed_linear(x, l.packed, l.bias);
     const torch::Tensor xc = x.contiguous();
     std::vector<torch::Tensor> outs;
@@ -322,21 +329,18 @@ class DecodePlan {
   Kernels k_;
   std::vector<Layer> layers_;
   bool quantized_ = false;  // then at most kQuantMaxRows rows: beyond, the modules dequantize for a GEMM
+  bool decodes_ = false;  // the running step's (run)
 };
 
-Linear packed(torch::Tensor packed, Opt bias) {
+Linear packed(torch::Tensor packed, Opt bias, Opt blocks, int64_t n) {
   Linear l;
-  l.kind = 0;
-  l.packed = packed;
-  l.bias = bias;
+  l.packed = packed, l.bias = bias, l.blocks = blocks, l.n = n;
   return l;
 }
 
 Linear gemm(torch::Tensor packed, Opt bias, int64_t n, Opt blocks) {
-  Linear l = ::packed(packed, bias);
+  Linear l = ::packed(packed, bias, blocks, n);
   l.kind = 1;
-  l.n = n;
-  l.blocks = blocks;
   return l;
 }
 
@@ -376,7 +380,7 @@ Linear quantized(std::vector<torch::Tensor> data, std::vector<int64_t> types, st
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear");
-  m.def("packed_linear", &packed);
+  m.def("packed_linear", &packed, py::arg("packed"), py::arg("bias"), py::arg("blocks") = py::none(), py::arg("n") = 0);
   m.def("gemm_linear", &gemm, py::arg("packed"), py::arg("bias"), py::arg("n"), py::arg("blocks") = py::none());
   m.def("gemm_silu_linear", &gemm_silu);
   m.def("int8_gemm_linear", &gemm_i8);

@@ -195,6 +195,19 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Op
   return y;
 }
 
+// x [M, K] bf16, M <= kBlockRowsMax, against weights kept for a few rows in GGUF blocks q alone: where
+// oneDNN has AMX, the bf16 linears' many rows are oneDNN's, and their few rows still read the blocks
+// (exec/cpu_linear.py).
+torch::Tensor gemm_bf16_blocks(const torch::Tensor& x, const torch::Tensor& q, const Opt& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16, rows contiguous");
+  TORCH_CHECK(x.size(0) <= kBlockRowsMax && built_with_avx512_bf16(), "gemm_bf16: blocks serve at most ", kBlockRowsMax,
+              " rows, with AVX512-BF16");
+  check_blocks(x, q, n);
+  auto y = torch::empty({x.size(0), n}, x.options());
+  if (x.size(0) > 0) gemm_blocks(x, q, column_floats(bias, n, "gemm_bf16", "bias"), n, y);
+  return y;
+}
+
 // silu(x w_gate^T) * (x w_up^T) [M, n] in bf16, as gemm_bf16 then silu_and_mul give it; w packed
 // [ceil(n/32), K/2, 4, 16, 2] from the paired gate_up rows (exec/cpu_linear.py pair_gate_up). q: the
 // unpaired [gate | up] weights in GGUF blocks, which serve up to kBlockRowsMax rows as in gemm_bf16.
@@ -253,12 +266,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q") = py::none());
   m.def("gemm_bf16_silu", &gemm_bf16_silu, py::arg("x"), py::arg("w"), py::arg("n"), py::arg("q") = py::none());
   m.def("gemm_i8_bf16", &gemm_i8_bf16, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"));
+  m.def("gemm_bf16_blocks", &gemm_bf16_blocks, py::arg("x"), py::arg("q"), py::arg("bias"), py::arg("n"));
   m.def("blocks_widen_to", &blocks_widen_to, py::arg("q"), py::arg("w"));
+  m.attr("BLOCK_ROWS_MAX") = kBlockRowsMax;
   m.def("has_avx512_bf16", &pagoda_bf16::built_with_avx512_bf16);
   // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
   m.def("_addresses", [] {
     return std::map<std::string, int64_t>{{"gemm_bf16", reinterpret_cast<int64_t>(&gemm_bf16)},
                                           {"gemm_i8_bf16", reinterpret_cast<int64_t>(&gemm_i8_bf16)},
-                                          {"gemm_bf16_silu", reinterpret_cast<int64_t>(&gemm_bf16_silu)}};
+                                          {"gemm_bf16_silu", reinterpret_cast<int64_t>(&gemm_bf16_silu)},
+                                          {"gemm_bf16_blocks", reinterpret_cast<int64_t>(&gemm_bf16_blocks)}};
   });
 }
