@@ -99,8 +99,10 @@ bool task_widens_to(const uint8_t* q, const uint16_t* w, int64_t k) {
 
 // c[m][col] = sum_k a[m][k] * w(k, col) over one task's blocks w (k a multiple of 32), for its
 // blocks of 16 columns [j0, j0 + NB) (all four, or one half: tile_blocks_rows). Stream: prefetch
-// the values non-temporal (read once), else into every level (a first half, whose second half reads
-// the same lines again).
+// the values into L2 (read once), else into every level (a first half, whose second half reads the
+// same lines again). Into L2, not non-temporal: on a 2-core Xeon with AMX, SmolLM2's 30 layers of
+// Q4_1 blocks for one row took 6.9 against 11.4 ms (L1's few miss buffers held too few lines in
+// flight; docs/perf-notes.md, 2026-12-07); the bf16 GEMM on Zen 4 measured T1 at least as fast.
 template <int M, int Bits, int NB = kNB, bool Stream = true>
 void tile_blocks(const uint16_t* const* a, const uint8_t* w, int64_t k, float (*c)[kNB * kBlock], int j0 = 0) {
   constexpr int64_t kPair = kNB * kBlock * Bits / 4;  // bytes of values per pair of k
@@ -116,7 +118,7 @@ void tile_blocks(const uint16_t* const* a, const uint8_t* w, int64_t k, float (*
     for (int p = 0; p < kBlockK / 2; ++p, q += kPair) {
       for (int64_t line = 0; line < kPair; line += 64) {
         const char* soon = reinterpret_cast<const char*>(q) + kPrefetch + line;
-        if constexpr (Stream) _mm_prefetch(soon, _MM_HINT_NTA);
+        if constexpr (Stream) _mm_prefetch(soon, _MM_HINT_T1);
         else _mm_prefetch(soon, _MM_HINT_T0);
       }
       __m512bh xv[M];
