@@ -30,10 +30,12 @@ those linears back to oneDNN. A model dequantized from a GGUF file keeps a secon
 blocks where they widen to the same bf16 values, which the GEMM reads for up to 8 rows
 (gguf_block_linears: SmolLM2's Q4_1 linears and Q8_0 head, 98 MB against 269 MB a decode step).
 
-Where oneDNN has AMX it wins instead, and the bf16 linears stay with it (PAGODA_BF16_GEMM=1 still
-picks our GEMM, which the quantized paths use either way); their GGUF blocks, where kept, still
-serve up to 8 rows of a step of decodes (`decode_step`) through our kernel (`gemm_bf16_blocks`),
-which widens four-bit values faster than oneDNN reads the bf16 copy (1-6 rows; alike at 8). On a 2-core Xeon with AMX, SmolLM2's
+Where oneDNN has AMX it wins instead, and the bf16 linears and the head stay with it
+(PAGODA_BF16_GEMM=1 still picks our GEMM, which the quantized paths use either way); their GGUF
+blocks, where kept, still serve up to 8 rows of a step of decodes (`decode_step`) through our kernel
+(`gemm_bf16_blocks`), which reads the smaller copy faster than oneDNN reads the bf16 one (one
+stream of SmolLM2 on a 2-core Xeon: 11.8 ms a token with the linears' blocks, 10.5 with the head's too, 19.2 with
+neither). On a 2-core Xeon with AMX, SmolLM2's
 projections, ours against oneDNN's packed GEMM: 2-3.7x oneDNN's time at 16-64 rows, 5-12x at 512
 and 2,048 (oneDNN ~2,200 GFLOP/s there), 0.34-1.3x for 1-8 rows; the head 1.7-4x at any count
 (docs/perf-notes.md, "AMX").
@@ -198,6 +200,10 @@ def decode_step(decodes: bool = True) -> Iterator[None]:
         _decodes.reset(token)
 
 
+def in_decode_step() -> bool:
+    return _decodes.get()
+
+
 def _few_rows(x: torch.Tensor, blocks: torch.Tensor | None) -> bool:
     """Whether x's rows go to `blocks` beside oneDNN (a CPU with AMX; gemm_bf16_blocks): a few rows
     of a step of decodes."""
@@ -213,12 +219,11 @@ class PackedLMHead:
         self.out_features = weight.shape[0]
         self.gemm = gemm_applies(weight)
         self.packed = pack_gemm(weight) if self.gemm else _pack(weight)
-        # Beside oneDNN (AMX) the head's Q8_0 blocks are slower than its bf16 weights even for one row.
-        self.blocks = block_copy(parts, weight, self.packed) if self.gemm else None
+        self.blocks = block_copy(parts, weight, self.packed if self.gemm else None)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.gemm:
-            return _gemm_linear(hidden, self.packed, None, self.out_features, self.blocks)
+        if self.gemm or _few_rows(hidden, self.blocks):
+            return _gemm_linear(hidden, self.packed, None, self.out_features, self.blocks, self.gemm)
         return _packed_linear(hidden, self.packed, None)
 
 

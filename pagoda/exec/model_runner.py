@@ -2,7 +2,7 @@
 
 It reads only the plain-data step (`pagoda.contracts.step`), never a scheduler object. Per-request
 state lives here between steps: its row in a persistent block-table array, its seeded generator, and a
-mirror of its token ids and sampling parameters (`_CachedRequest`), built when the step says the
+mirror of its token ids and sampling parameters (`runner_state.CachedRequest`), built when the step says the
 request is new and extended by the token ids each step computes; so a decode step copies only the
 blocks and tokens that are new, and sampling reads exact token histories (penalties, min_tokens)
 without the scheduler sending them again. On CUDA the attention backend is the Triton one and
@@ -22,6 +22,7 @@ from pagoda.contracts.step import ScheduledRequest, SchedulerOutput
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_linear import BLOCK_ROWS, decode_step, logits_fn, pack_linears
 from pagoda.exec.quant_linear import install_quant_kernels
+from pagoda.exec.runner_state import BlockTables, CachedRequest
 from pagoda.exec.cpu_moe import prepare_experts
 from pagoda.exec.cpu_memory import keep_freed_memory
 from pagoda.exec.cuda_graphs import CUDAGraphDecoder
@@ -33,7 +34,6 @@ from pagoda.exec.sampler import Sampler, SamplingMetadata, make_generator
 from pagoda.exec.spec_decode import SpecDecoder
 from pagoda.exec.structured_output import StructuredOutputs
 from pagoda.model.attention import AttentionContext
-from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -50,49 +50,6 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Slots of the step's second-tier saves that could not be written (pagoda.exec.kv_offload).
     kv_failed_saves: list[int] = field(default_factory=list)
-
-
-class _BlockTables:
-    """A [max_rows, max_blocks] array of block ids with one row per live request."""
-
-    def __init__(self, max_rows: int, max_blocks: int) -> None:
-        self.table = np.zeros((max_rows, max_blocks), dtype=np.int64)
-        self.row_of: dict[str, int] = {}
-        self.free_rows = list(range(max_rows - 1, -1, -1))
-
-    def assign(self, request_id: str) -> int:
-        """The request's row (a free one for a request without one)."""
-        row = self.row_of.get(request_id)
-        if row is None:
-            row = self.free_rows.pop()
-            self.row_of[request_id] = row
-        return row
-
-    def drop(self, request_id: str) -> None:
-        row = self.row_of.pop(request_id, None)
-        if row is not None:
-            self.free_rows.append(row)
-
-
-class _CachedRequest:
-    """The runner's mirror of one live request: its tokens and sampling parameters (what sampling
-    and prompt logprobs read) and its block-table row, with how much of that row is filled."""
-
-    __slots__ = ("prompt_token_ids", "output_token_ids", "num_tokens", "sampling_params", "eos_token_id",
-                 "row", "num_blocks", "had_drafts")
-
-    def __init__(self, prompt_token_ids: list[int], output_token_ids: list[int],
-                 sampling_params: SamplingParams, eos_token_id: int | None, row: int) -> None:
-        self.prompt_token_ids = prompt_token_ids  # read only: shared with the scheduler's request
-        self.output_token_ids = output_token_ids  # the step's copy, extended here
-        self.num_tokens = len(prompt_token_ids) + len(output_token_ids)
-        self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
-        self.row = row
-        self.num_blocks = 0  # entries of the row written so far (a kept row is rewritten)
-        # The last step carried drafts, so the scheduler may have given back (and since replaced)
-        # the blocks past the verified tokens: those entries of the row are rewritten.
-        self.had_drafts = False
 
 
 class ModelRunner:
@@ -125,9 +82,9 @@ class ModelRunner:
         prepare_experts(model, device, triton_ok=not isinstance(self.backend, TorchPagedAttention))
         max_blocks = (max_model_len + self.block_size - 1) // self.block_size
         # Rows for running requests plus those finishing in the same step as others are admitted.
-        self.block_tables = _BlockTables(2 * max_num_seqs, max_blocks)
+        self.block_tables = BlockTables(2 * max_num_seqs, max_blocks)
         self.generators: dict[str, torch.Generator] = {}
-        self.requests: dict[str, _CachedRequest] = {}
+        self.requests: dict[str, CachedRequest] = {}
         self.graphs: CUDAGraphDecoder | None = None
         self.fused_decode = FusedCPUDecoder.create(model, self.backend, device)  # CPU decodes of a few rows
         # Graphs need launches that read no device value on the host: the Triton backend's.
@@ -164,7 +121,7 @@ class ModelRunner:
                 if self.structured_outputs is not None:
                     self.structured_outputs.drop(rid)
 
-    def _generator(self, request_id: str, state: _CachedRequest) -> torch.Generator | None:
+    def _generator(self, request_id: str, state: CachedRequest) -> torch.Generator | None:
         seed = state.sampling_params.seed
         if seed is None:
             return None
@@ -189,7 +146,7 @@ class ModelRunner:
             new = s.new_request
             if new is not None:
                 rid = s.request_id
-                state = _CachedRequest(new.prompt_token_ids, new.output_token_ids, new.sampling_params,
+                state = CachedRequest(new.prompt_token_ids, new.output_token_ids, new.sampling_params,
                                        new.eos_token_id, tables.assign(rid))
                 states[rid] = state
             else:
@@ -278,27 +235,9 @@ class ModelRunner:
         if not so.scheduled:
             return out
         order, input_ids, positions, meta = self.prepare(so)
-        if self.graphs is not None and self.graphs.can_run(meta.num_decodes, meta.num_reqs):
-            hidden = self.graphs.run(input_ids, positions, meta)  # padding rows already dropped
-        elif self.fused_decode is not None and self.fused_decode.can_run(meta, input_ids.shape[0]):
-            hidden = self.fused_decode.run(input_ids, positions, meta, self._decodes_only(order))
-        else:
-            with decode_step(self._decodes_only(order)):
-                hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
-        if hidden is None:
-            return out  # a pipeline stage before the last: the next stage has its hidden states
-        wanted = [(i, s) for i, s in enumerate(order) if s.prompt_logprobs_from is not None]
-        if wanted:
-            self._prompt_logprobs(wanted, hidden, meta, out)
-        sampling = [i for i, s in enumerate(order) if s.samples]
-        if not sampling:
-            return out  # every request is mid-prompt: nothing to sample
-        speculated = [i for i in sampling if order[i].spec_token_ids] if self.spec is not None else []
-        if speculated:
-            sampling = [i for i in sampling if not order[i].spec_token_ids]
-            self._verify(speculated, order, hidden, meta, out)
-        if sampling:
-            self._sample(sampling, order, hidden, meta, out)
+        with decode_step(self._decodes_only(order)):
+            if not self._forward_and_sample(order, input_ids, positions, meta, out):
+                return out
         # The mirrors learn the sampled tokens now (the next step's rows carry them again), so a
         # proposer reads each request's whole history.
         states = self.requests
@@ -310,6 +249,32 @@ class ModelRunner:
             out.draft_token_ids = self.spec.propose([(rid, states[rid]) for rid in out.sampled_token_ids],
                                                     self.structured_outputs)
         return out
+
+    def _forward_and_sample(self, order: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                            meta: PagedAttentionMetadata, out: ModelRunnerOutput) -> bool:
+        """The model's step, then prompt logprobs, verification and sampling into `out`; False when
+        nothing was sampled (a pipeline stage before the last, or every request mid-prompt)."""
+        if self.graphs is not None and self.graphs.can_run(meta.num_decodes, meta.num_reqs):
+            hidden = self.graphs.run(input_ids, positions, meta)  # padding rows already dropped
+        elif self.fused_decode is not None and self.fused_decode.can_run(meta, input_ids.shape[0]):
+            hidden = self.fused_decode.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, AttentionContext(self.backend, meta))
+        if hidden is None:
+            return False  # a pipeline stage before the last: the next stage has its hidden states
+        wanted = [(i, s) for i, s in enumerate(order) if s.prompt_logprobs_from is not None]
+        if wanted:
+            self._prompt_logprobs(wanted, hidden, meta, out)
+        sampling = [i for i, s in enumerate(order) if s.samples]
+        if not sampling:
+            return False  # every request is mid-prompt: nothing to sample
+        speculated = [i for i in sampling if order[i].spec_token_ids] if self.spec is not None else []
+        if speculated:
+            sampling = [i for i in sampling if not order[i].spec_token_ids]
+            self._verify(speculated, order, hidden, meta, out)
+        if sampling:
+            self._sample(sampling, order, hidden, meta, out)
+        return True
 
     def _verify(self, idx: list[int], order: list[ScheduledRequest], hidden: torch.Tensor,
                 meta: PagedAttentionMetadata, out: ModelRunnerOutput) -> None:

@@ -45,9 +45,9 @@ def _outputs(loaded, monkeypatch, fused: bool, **engine_args):
     if fused:
         run = runner.fused_decode.run
 
-        def counting(input_ids, positions, meta, decodes=False):
+        def counting(input_ids, positions, meta):
             rows.append((input_ids.shape[0], meta.num_decodes == 0))
-            return run(input_ids, positions, meta, decodes)
+            return run(input_ids, positions, meta)
 
         runner.fused_decode.run = counting
     first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:1]], _params(3), use_tqdm=False)

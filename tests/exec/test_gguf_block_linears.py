@@ -213,7 +213,7 @@ def _amx(monkeypatch):
 
 @needs_gemm
 @pytest.mark.parametrize("qtype", TYPES)
-def test_with_amx_a_few_rows_read_the_blocks_and_more_rows_and_the_head_onednn(monkeypatch, qtype):
+def test_with_amx_a_few_decode_rows_read_the_blocks_and_the_rest_onednn(monkeypatch, qtype):
     from pagoda.exec.cpu_linear import _packed_linear
 
     _amx(monkeypatch)
@@ -222,17 +222,19 @@ def test_with_amx_a_few_rows_read_the_blocks_and_more_rows_and_the_head_onednn(m
     linear.weight.data = _loaded_bf16(parts)
     packed, head = PackedLinear(linear, parts), PackedLMHead(linear.weight, parts)
     assert not packed.gemm and packed.packed.is_mkldnn and packed.blocks is not None
-    assert not head.gemm and head.packed.is_mkldnn and head.blocks is None  # oneDNN reads the head faster
+    assert not head.gemm and head.packed.is_mkldnn and head.blocks is not None
     ours, bias = pack_gemm(linear.weight), linear.bias.detach()  # a bias needing grad: oneDNN adds it apart
     g = torch.Generator().manual_seed(1)
     for rows in (1, 5, 8, 9, 64):
         x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
-        want_head, onednn = _packed_linear(x, head.packed, None), _packed_linear(x, packed.packed, bias)
+        onednn, onednn_head = _packed_linear(x, packed.packed, bias), _packed_linear(x, head.packed, None)
         # A step with a prompt's rows (the default) is oneDNN's at any row count.
         assert torch.equal(packed(x).view(torch.int16), onednn.view(torch.int16))
+        assert torch.equal(head(x).view(torch.int16), onednn_head.view(torch.int16))
         with decode_step():
-            # A step of decodes: up to 8 rows the GEMM's bits over its blocks.
+            # A step of decodes: up to 8 rows the GEMM's bits over the blocks.
             want = gemm_kernel().gemm_bf16(x, ours, bias, 200, packed.blocks) if rows <= 8 else onednn
+            want_head = gemm_kernel().gemm_bf16(x, ours, None, 200, head.blocks) if rows <= 8 else onednn_head
             assert torch.equal(packed(x).view(torch.int16), want.view(torch.int16))
             assert torch.equal(head(x).view(torch.int16), want_head.view(torch.int16))
     with pytest.raises(RuntimeError, match="at most 8 rows"):
