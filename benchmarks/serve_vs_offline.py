@@ -14,6 +14,8 @@ arms:
                  two cores with the engine core's threads, and a thread held up by either holds up
                  the other at the step's next barrier
     serve-nice-api, serve-nice-client   only the one of them at nice NICE
+    serve-env    `pagoda serve` with the environment variables of --server-env set (for instance
+                 GOMP_SPINCOUNT, how long an OpenMP thread of the engine spins before it sleeps)
 
 Prints each run (a served one with its streams' median TTFT and ITL), then each arm's median and
 each served arm's per-round ratio to offline.
@@ -50,10 +52,11 @@ def renice_process(pid: int, niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, int(task), niceness)
 
 
-def run_served(port: int, api_nice: int, client_nice: int) -> tuple[float, str]:
-    """Total tok/s of one served run, and its streams' median first-token time and inter-token latency."""
+def run_served(port: int, api_nice: int, client_nice: int, env: dict[str, str] | None = None) -> tuple[float, str]:
+    """Total tok/s of one served run, and its streams' median first-token time and inter-token latency;
+    `env`: variables set for the server."""
     server = subprocess.Popen([str(BIN / "pagoda"), "serve", "--host", "127.0.0.1", "--port", str(port),
-                               "--max-num-seqs", "64"], cwd=REPO, start_new_session=True,
+                               "--max-num-seqs", "64"], cwd=REPO, start_new_session=True, env={**os.environ, **(env or {})},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         subprocess.run([sys.executable, str(REPO / "benchmarks/peer_tools.py"), "wait-ready",
@@ -87,15 +90,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--arms", nargs="+", default=["offline", "serve"],
-                        choices=["offline", "serve", "serve-nice", "serve-nice-api", "serve-nice-client"])
+                        choices=["offline", "serve", "serve-nice", "serve-nice-api", "serve-nice-client", "serve-env"])
     parser.add_argument("--nice", type=int, default=10, help="niceness in the serve-nice arms")
+    parser.add_argument("--server-env", nargs="*", default=[], metavar="NAME=VALUE", help="the serve-env arm's variables")
     parser.add_argument("--port", type=int, default=8437)
     args = parser.parse_args()
     nice = args.nice
     runners = {"offline": run_offline, "serve": lambda: run_served(args.port, 0, 0),
                "serve-nice": lambda: run_served(args.port, nice, nice),
                "serve-nice-api": lambda: run_served(args.port, nice, 0),
-               "serve-nice-client": lambda: run_served(args.port, 0, nice)}
+               "serve-nice-client": lambda: run_served(args.port, 0, nice),
+               "serve-env": lambda: run_served(args.port, 0, 0, dict(v.split("=", 1) for v in args.server_env))}
     results: dict[str, list[float]] = {arm: [] for arm in args.arms}
     for i in range(args.rounds):
         shift = i % len(args.arms)
