@@ -34,11 +34,10 @@ Where oneDNN has AMX it wins instead, and the bf16 linears and the head stay wit
 (PAGODA_BF16_GEMM=1 still picks our GEMM, which the quantized paths use either way); their GGUF
 blocks, where kept, still serve up to 8 rows of a step of decodes (`decode_step`) through our kernel
 (`gemm_bf16_blocks`), which reads the smaller copy faster than oneDNN reads the bf16 one (one
-stream of SmolLM2 on a 2-core Xeon: 11.8 ms a token with the linears' blocks, 10.5 with the head's too, 19.2 with
-neither). On a 2-core Xeon with AMX, SmolLM2's
-projections, ours against oneDNN's packed GEMM: 2-3.7x oneDNN's time at 16-64 rows, 5-12x at 512
-and 2,048 (oneDNN ~2,200 GFLOP/s there), 0.34-1.3x for 1-8 rows; the head 1.7-4x at any count
-(docs/perf-notes.md, "AMX").
+stream of SmolLM2 on a 2-core Xeon: 19.2 ms a token on oneDNN alone, 11.8 with the linears'
+blocks, 10.5 with the head's too). On that Xeon, SmolLM2's projections, ours against oneDNN's packed
+GEMM: 2-3.7x oneDNN's time at 16-64 rows, 5-12x at 512 and 2,048 (oneDNN ~2,200 GFLOP/s there),
+0.34-1.3x for 1-8 rows; the head 1.7-4x at any count (docs/perf-notes.md, "AMX").
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pagoda import SamplingParams
-from pagoda.exec.cpu_linear import PackedLinear, PackedLMHead, block_copy, decode_step, gemm_kernel, pack_gemm
+from pagoda.exec.cpu_linear import (BLOCK_ROWS, PackedLinear, PackedLMHead, block_copy, decode_step, gemm_kernel,
+                                    pack_gemm)
 from pagoda.exec.gguf_block_linears import pack_blocks, widen_blocks
 from pagoda.exec.weight_tensors import check_same_layout, copy_weights
 from pagoda.model.loader import load_model
@@ -237,6 +238,7 @@ def test_with_amx_a_few_decode_rows_read_the_blocks_and_the_rest_onednn(monkeypa
             want_head = gemm_kernel().gemm_bf16(x, ours, None, 200, head.blocks) if rows <= 8 else onednn_head
             assert torch.equal(packed(x).view(torch.int16), want.view(torch.int16))
             assert torch.equal(head(x).view(torch.int16), want_head.view(torch.int16))
+    assert gemm_kernel().BLOCK_ROWS_MAX == BLOCK_ROWS  # the rows the runner and the modules give the blocks
     with pytest.raises(RuntimeError, match="at most 8 rows"):
         gemm_kernel().gemm_bf16_blocks(torch.zeros(9, 576, dtype=torch.bfloat16), packed.blocks, None, 200)
 
