@@ -274,13 +274,16 @@ def test_with_amx_a_prompt_rounds_as_onednn_at_any_length(tmp_path, monkeypatch)
     monkeypatch.setattr(cpu_linear, "_gemm_linear", spy)
 
     def scored():
-        llm = make_engine(load_model(str(path), dtype="bfloat16"), num_gpu_blocks_override=64, enable_prefix_caching=False)
+        """Each prompt alone (so that the fused plan may take its step), its prompt logprobs."""
+        llm = make_engine(load_model(str(path), dtype="bfloat16"), num_gpu_blocks_override=64,
+                          enable_prefix_caching=False)
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
-        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in ([5, 9, 2], PROMPTS[1][:8], PROMPTS[1])]
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+                for p in ([5, 9, 2], PROMPTS[1][:8], PROMPTS[1])]
         return [[None if d is None else {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs] for o in outs]
 
-    for fused in ("0", "1"):
-        monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", "1" if fused == "0" else "0")
+    for no_fused in ("1", "0"):  # the modules, then the fused step
+        monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", no_fused)
         monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "0")
         with_blocks = scored()
         monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "1")
