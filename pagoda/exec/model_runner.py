@@ -2,9 +2,9 @@
 
 It reads only the plain-data step (`pagoda.contracts.step`), never a scheduler object. Per-request
 state lives here between steps: its row in a persistent block-table array, its seeded generator, and a
-mirror of its token ids and sampling parameters (`runner_state.CachedRequest`), built when the step says the
-request is new and extended by the token ids each step computes; so a decode step copies only the
-blocks and tokens that are new, and sampling reads exact token histories (penalties, min_tokens)
+mirror of its token ids and sampling parameters (`runner_state.CachedRequest`), built when the step
+says the request is new and extended by the token ids each step computes; so a decode step copies
+only the blocks and tokens that are new, and sampling reads exact token histories (penalties, min_tokens)
 without the scheduler sending them again. On CUDA the attention backend is the Triton one and
 pure-decode steps replay CUDA graphs (`pagoda.exec.cuda_graphs`) unless `enforce_eager`; the only host
 sync of a step is copying the sampled token ids back.
