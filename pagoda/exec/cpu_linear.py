@@ -32,12 +32,14 @@ blocks where they widen to the same bf16 values, which the GEMM reads for up to 
 
 Where oneDNN has AMX it wins instead, and the bf16 linears and the head stay with it
 (PAGODA_BF16_GEMM=1 still picks our GEMM, which the quantized paths use either way); their GGUF
-blocks, where kept, still serve up to 8 rows of a step of decodes (`decode_step`) through our kernel
-(`gemm_bf16_blocks`), which reads the smaller copy faster than oneDNN reads the bf16 one (one
-stream of SmolLM2 on a 2-core Xeon: 19.2 ms a token on oneDNN alone, 11.8 with the linears'
-blocks, 10.5 with the head's too). On that Xeon, SmolLM2's projections, ours against oneDNN's packed
-GEMM: 2-3.7x oneDNN's time at 16-64 rows, 5-12x at 512 and 2,048 (oneDNN ~2,200 GFLOP/s there),
-0.34-1.3x for 1-8 rows; the head 1.7-4x at any count (docs/perf-notes.md, "AMX").
+blocks, where kept, still serve a few rows through our kernel (`gemm_bf16_blocks`), which reads the
+smaller copy faster than oneDNN reads the bf16 one. It sums them on AMX tiles as oneDNN does
+(csrc/amx_blocks.h), with oneDNN's bits, so up to 16 rows of any step read them (`block_rows`):
+SmolLM2's 30 layers, 2-core Xeon, 7.0 ms for one row and 8.9 for 16 against oneDNN's 20-21 ms at
+either. Without the tiles our kernel's bits differ from oneDNN's in rare elements, and only up to 8
+rows of a step of decodes read them (`decode_step`). On that Xeon, SmolLM2's projections, our GEMM
+against oneDNN's packed GEMM: 2-3.7x oneDNN's time at 16-64 rows, 5-12x at 512 and 2,048 (oneDNN
+~2,200 GFLOP/s there), 0.34-1.3x for 1-8 rows; the head 1.7-4x at any count (docs/perf-notes.md, "AMX").
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from torch import nn
 
 from pagoda.exec.cpu_kernels import load_gemm_bf16
 from pagoda.exec.gguf_block_linears import pack_blocks, source_blocks
+from pagoda.model import loader
 from pagoda.model.llama import LlamaMLP
 from pagoda.model.loader import cpu_has_amx, cpu_has_bf16
 from pagoda.model.mmap_weights import release_pages
@@ -64,6 +67,7 @@ _ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows; any count
 _TASK_COLS = 64  # output columns per task of the bf16 GEMM (gemm_bf16.cpp's kCols)
 _PAIR_COLS = _TASK_COLS // 2  # gate (and up) columns per task of gemm_bf16_silu
 BLOCK_ROWS = 8  # the most rows GGUF blocks serve (gemm_bf16.cpp's kBlockRowsMax)
+DECODE_ROWS_OURS = 1  # a step of decodes' rows that our kernel sums where AMX tiles could (block_rows)
 
 
 @lru_cache(maxsize=1)
@@ -161,14 +165,17 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def _gemm_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-                 blocks: torch.Tensor | None, gemm: bool = True) -> torch.Tensor:
+                 blocks: torch.Tensor | None, gemm: bool = True, tiles: bool = False) -> torch.Tensor:
     """x through the bf16 GEMM over `packed` (its layout) and `blocks`; or, not `gemm`, through
-    `blocks` alone (a few rows beside oneDNN's `packed`)."""
+    `blocks` alone (a few rows beside oneDNN's `packed`; `tiles`: on AMX tiles)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = gemm_kernel().gemm_bf16(x, packed, bias, n, blocks) if gemm else gemm_kernel().gemm_bf16_blocks(x, blocks, bias, n)
+    if gemm:
+        y = gemm_kernel().gemm_bf16(x, packed, bias, n, blocks)
+    else:
+        y = gemm_kernel().gemm_bf16_blocks(x, blocks, bias, n, tiles)
     return y.reshape(*shape[:-1], n)
 
 
@@ -182,10 +189,11 @@ def block_copy(parts: list | None, weight: torch.Tensor, packed: torch.Tensor | 
     return blocks if widens else None
 
 
-# Whether the running step's rows are all decodes (`decode_step`): only then do a few rows read the
-# GGUF blocks beside oneDNN. Our GEMM and oneDNN round apart in rare elements, and a prompt's
-# positions must round alike whatever the prompt's length (its logprobs, echoed, are the same tokens'
-# inside a longer prompt), so every prompt row is oneDNN's.
+# Whether the running step's rows are all decodes (`decode_step`). Where our kernel sums the blocks
+# on AMX tiles it rounds as oneDNN does (csrc/amx_blocks.h), and any step's few rows read them; else
+# it rounds as our GEMM does, apart from oneDNN in rare elements, and only a step of decodes' rows
+# may: a prompt's positions must round alike whatever the prompt's length (its logprobs, echoed, are
+# the same tokens' inside a longer prompt), so every prompt row is then oneDNN's.
 _decodes: ContextVar[bool] = ContextVar("pagoda_decode_step", default=False)
 
 
@@ -203,10 +211,31 @@ def in_decode_step() -> bool:
     return _decodes.get()
 
 
-def _few_rows(x: torch.Tensor, blocks: torch.Tensor | None) -> bool:
-    """Whether x's rows go to `blocks` beside oneDNN (a CPU with AMX; gemm_bf16_blocks): a few rows
-    of a step of decodes."""
-    return blocks is not None and _decodes.get() and x.numel() <= BLOCK_ROWS * x.shape[-1]
+@lru_cache(maxsize=1)
+def exact_block_rows() -> int:
+    """The most rows for which the blocks beside oneDNN give oneDNN's bits (on AMX tiles, where
+    oneDNN's GEMM runs on them too: the loader's own check, whatever stands in for it here), or 0."""
+    kernel = gemm_kernel()
+    return kernel.amx_block_rows() if kernel is not None and loader.cpu_has_amx() else 0
+
+
+def block_rows() -> tuple[int, int]:
+    """(The most rows of the running step that read a linear's GGUF blocks beside oneDNN, the most of
+    those that our kernel sums as our GEMM does rather than on AMX tiles.) A step of decodes' rows
+    may round apart from oneDNN, and one row takes our kernel: one stream decoded 7-10 % slower on the
+    tiles, which read the blocks faster alone; 4 streams ran 15-20 % faster on them than on ours
+    (docs/perf-notes.md, 2026-12-07 "AMX tiles")."""
+    exact = exact_block_rows()
+    ours = (DECODE_ROWS_OURS if exact else BLOCK_ROWS) if _decodes.get() else 0
+    return max(exact, ours), ours
+
+
+def _on_blocks(x: torch.Tensor, blocks: torch.Tensor | None) -> bool | None:
+    """Whether x's rows go to `blocks` beside oneDNN (a CPU with AMX; gemm_bf16_blocks): None if not,
+    else whether on AMX tiles."""
+    rows = x.numel() // x.shape[-1]
+    most, ours = block_rows()
+    return rows > ours if blocks is not None and rows <= most else None
 
 
 class PackedLMHead:
@@ -221,8 +250,9 @@ class PackedLMHead:
         self.blocks = block_copy(parts, weight, self.packed if self.gemm else None)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.gemm or _few_rows(hidden, self.blocks):
-            return _gemm_linear(hidden, self.packed, None, self.out_features, self.blocks, self.gemm)
+        tiles = None if self.gemm else _on_blocks(hidden, self.blocks)
+        if self.gemm or tiles is not None:
+            return _gemm_linear(hidden, self.packed, None, self.out_features, self.blocks, self.gemm, bool(tiles))
         return _packed_linear(hidden, self.packed, None)
 
 
@@ -255,8 +285,9 @@ class PackedLinear(nn.Module):
             pairs = _gemm_linear(x, self.paired, None, self.paired.shape[0] * _TASK_COLS, None)
             pairs = pairs.unflatten(-1, (-1, 2, _PAIR_COLS)).transpose(-3, -2).flatten(-2)
             return pairs[..., : self.out_features // 2].flatten(-2)
-        if self.gemm or _few_rows(x, self.blocks):
-            return _gemm_linear(x, self.packed, self.bias, self.out_features, self.blocks, self.gemm)
+        tiles = None if self.gemm else _on_blocks(x, self.blocks)
+        if self.gemm or tiles is not None:
+            return _gemm_linear(x, self.packed, self.bias, self.out_features, self.blocks, self.gemm, bool(tiles))
         return _packed_linear(x, self.packed, self.bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

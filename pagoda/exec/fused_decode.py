@@ -43,7 +43,7 @@ from pagoda.cpp_build import build_cpu_extension
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
 from pagoda.exec.cpu_grouped_moe import GroupedExperts, grouped_fused_experts, grouped_kernel
 from pagoda.exec.cpu_kernels import load_cpu_kernels, load_gemm_int8, load_prefill_attention
-from pagoda.exec.cpu_linear import PackedLinear, gemm_kernel, in_decode_step
+from pagoda.exec.cpu_linear import PackedLinear, block_rows, gemm_kernel
 from pagoda.exec.paged_attention import TorchPagedAttention
 from pagoda.exec.quant_linear import TILE_ROWS, Int8Rows, int8_gemm, load_quant_kernels, quant_matmul, w8a8_gemm
 from pagoda.model.cpu_layer_ops import FUSED_DTYPES, load_layer_ops
@@ -111,14 +111,14 @@ class FusedCPUDecoder:
                 and int(meta.seq_lens_cpu[0]) == num_tokens)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
-        """The step's hidden states (a few rows read a linear's GGUF blocks in a cpu_linear.decode_step)."""
+        """The step's hidden states (a few rows read a linear's GGUF blocks: cpu_linear.block_rows)."""
         if self.plan is None or any(getattr(owner, attr) is not held for owner, attr, held in self._held):
             self.plan = self._build()
         inner = self.model.model
         nd = meta.num_decodes
         table = inner.rotary.table(max(meta.seq_lens_cpu))  # a decode's position is its length - 1
         h, residual = self.plan.run(inner.embed_tokens(input_ids), positions, table, meta.slot_mapping,
-                                    meta.block_tables[:nd], meta.seq_lens[:nd], nd == 0, in_decode_step())
+                                    meta.block_tables[:nd], meta.seq_lens[:nd], nd == 0, *block_rows())
         return inner.norm.add_forward(h, residual)[0]
 
     def release(self) -> None:

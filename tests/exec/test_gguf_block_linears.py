@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagoda import SamplingParams
-from pagoda.exec.cpu_linear import (BLOCK_ROWS, PackedLinear, PackedLMHead, block_copy, decode_step, gemm_kernel,
-                                    pack_gemm)
+from pagoda.exec.cpu_linear import (BLOCK_ROWS, PackedLinear, PackedLMHead, block_copy, decode_step, exact_block_rows,
+                                    gemm_kernel, pack_gemm)
 from pagoda.exec.gguf_block_linears import pack_blocks, widen_blocks
 from pagoda.exec.weight_tensors import check_same_layout, copy_weights
 from pagoda.model.loader import load_model
@@ -214,10 +214,16 @@ def _amx(monkeypatch):
 
 @needs_gemm
 @pytest.mark.parametrize("qtype", TYPES)
-def test_with_amx_a_few_decode_rows_read_the_blocks_and_the_rest_onednn(monkeypatch, qtype):
-    from pagoda.exec.cpu_linear import _packed_linear
+def test_with_amx_a_few_rows_read_the_blocks_and_the_rest_onednn(monkeypatch, qtype):
+    """With AMX (here, or emulated: cpu_has_amx patched on a CPU without), bf16 linears are oneDNN's.
+    On AMX tiles the blocks give oneDNN's bits and serve up to 16 rows of any step, but for a step of
+    decodes' one row, which our kernel sums; without the tiles our kernel serves up to 8 rows of a
+    step of decodes only."""
+    from pagoda.exec import cpu_linear
 
     _amx(monkeypatch)
+    exact = cpu_linear.exact_block_rows()
+    assert exact in (0, 16)
     parts = [_part(qtype, 200, 576, 7)]
     linear = torch.nn.Linear(576, 200).to(torch.bfloat16)
     linear.weight.data = _loaded_bf16(parts)
@@ -226,21 +232,47 @@ def test_with_amx_a_few_decode_rows_read_the_blocks_and_the_rest_onednn(monkeypa
     assert not head.gemm and head.packed.is_mkldnn and head.blocks is not None
     ours, bias = pack_gemm(linear.weight), linear.bias.detach()  # a bias needing grad: oneDNN adds it apart
     g = torch.Generator().manual_seed(1)
-    for rows in (1, 5, 8, 9, 64):
+    for rows in (1, 2, 5, 8, 9, 16, 17, 64):
         x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
-        onednn, onednn_head = _packed_linear(x, packed.packed, bias), _packed_linear(x, head.packed, None)
-        # A step with a prompt's rows (the default) is oneDNN's at any row count.
-        assert torch.equal(packed(x).view(torch.int16), onednn.view(torch.int16))
-        assert torch.equal(head(x).view(torch.int16), onednn_head.view(torch.int16))
-        with decode_step():
-            # A step of decodes: up to 8 rows the GEMM's bits over the blocks.
-            want = gemm_kernel().gemm_bf16(x, ours, bias, 200, packed.blocks) if rows <= 8 else onednn
-            want_head = gemm_kernel().gemm_bf16(x, ours, None, 200, head.blocks) if rows <= 8 else onednn_head
-            assert torch.equal(packed(x).view(torch.int16), want.view(torch.int16))
-            assert torch.equal(head(x).view(torch.int16), want_head.view(torch.int16))
+        onednn, onednn_head = cpu_linear._packed_linear(x, packed.packed, bias), cpu_linear._packed_linear(x, head.packed, None)
+        for decodes in (False, True):
+            with decode_step(decodes):
+                ours_rows = (1 if exact else 8) if decodes else 0
+                tiles = cpu_linear._on_blocks(x, packed.blocks)
+                assert tiles == (None if rows > max(exact, ours_rows) else rows > ours_rows)
+                want, want_head = onednn, onednn_head
+                if rows <= ours_rows:  # our kernel's bits over the blocks
+                    want = gemm_kernel().gemm_bf16(x, ours, bias, 200, packed.blocks)
+                    want_head = gemm_kernel().gemm_bf16(x, ours, None, 200, head.blocks)
+                assert torch.equal(packed(x).view(torch.int16), want.view(torch.int16))
+                assert torch.equal(head(x).view(torch.int16), want_head.view(torch.int16))
     assert gemm_kernel().BLOCK_ROWS_MAX == BLOCK_ROWS  # the rows the runner and the modules give the blocks
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        gemm_kernel().gemm_bf16_blocks(torch.zeros(9, 576, dtype=torch.bfloat16), packed.blocks, None, 200)
+    for tiles, most in ((False, 8), (True, exact)) if exact else ((False, 8),):
+        with pytest.raises(RuntimeError, match=f"at most {most} rows"):
+            gemm_kernel().gemm_bf16_blocks(torch.zeros(most + 1, 576, dtype=torch.bfloat16), packed.blocks, None, 200, tiles)
+
+
+needs_amx = pytest.mark.skipif(not exact_block_rows(), reason="no AMX here (nor oneDNN on it): nothing to match")
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", TYPES)
+def test_on_amx_tiles_the_blocks_round_as_onednn(qtype):
+    """The blocks summed on AMX tiles give oneDNN's bf16 GEMM's bits, value for value, for 1-16 rows
+    of SmolLM2's shapes (and a width that is no multiple of 64), with and without a bias."""
+    from pagoda.exec import cpu_linear
+
+    g = torch.Generator().manual_seed(2)
+    for i, (n, k) in enumerate([(960, 576), (576, 576), (3072, 576), (576, 1536), (200, 576)]):
+        parts = [_part(qtype, n, k, 10 + i)]
+        blocks, onednn = pack_blocks(parts), cpu_linear._pack(_loaded_bf16(parts))
+        bias = torch.randn(n, generator=g).to(torch.bfloat16)
+        for rows in range(1, 17):
+            x = torch.randn(2 * rows, k, generator=g).to(torch.bfloat16)[::2]  # strided rows
+            for b in (None, bias):
+                want = cpu_linear._packed_linear(x.contiguous(), onednn, b)
+                assert torch.equal(gemm_kernel().gemm_bf16_blocks(x, blocks, b, n, True).view(torch.int16),
+                                   want.view(torch.int16)), (n, k, rows, b is None)
 
 
 def _tiny_q4_1(tmp_path):
@@ -256,9 +288,10 @@ def _tiny_q4_1(tmp_path):
 
 @needs_gemm
 def test_with_amx_a_prompt_rounds_as_onednn_at_any_length(tmp_path, monkeypatch):
-    """A prompt's rows never read the blocks beside oneDNN, however few, in the fused step or the
-    modules: its logprobs are oneDNN's alone, bit for bit, so a short prompt echoed scores its tokens
-    as they score inside a longer one. A decode step's few rows do read them (the modules' calls)."""
+    """A prompt's logprobs are oneDNN's alone, bit for bit, in the fused step and the modules, so a
+    short prompt echoed scores its tokens as they score inside a longer one: on AMX tiles its few
+    rows read the blocks (which round as oneDNN does), else none of its rows do. A decode step's few
+    rows read them either way (the modules' calls)."""
     from pagoda.exec import cpu_linear
 
     _amx(monkeypatch)
@@ -266,10 +299,10 @@ def test_with_amx_a_prompt_rounds_as_onednn_at_any_length(tmp_path, monkeypatch)
     reads: list[int] = []
     gemm_linear = cpu_linear._gemm_linear
 
-    def spy(x, packed, bias, n, blocks, gemm=True):
+    def spy(x, packed, bias, n, blocks, gemm=True, tiles=False):
         if not gemm:
             reads.append(x.numel() // x.shape[-1])
-        return gemm_linear(x, packed, bias, n, blocks, gemm)
+        return gemm_linear(x, packed, bias, n, blocks, gemm, tiles)
 
     monkeypatch.setattr(cpu_linear, "_gemm_linear", spy)
 
@@ -288,11 +321,13 @@ def test_with_amx_a_prompt_rounds_as_onednn_at_any_length(tmp_path, monkeypatch)
         with_blocks = scored()
         monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "1")
         assert scored() == with_blocks
-    assert reads == []
+    exact = cpu_linear.exact_block_rows()
+    assert (reads and max(reads) <= exact) if exact else reads == []  # the short prompts' rows, their logprobs' head
+    reads.clear()
     monkeypatch.setenv("PAGODA_NO_FUSED_DECODE", "1")
     monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "0")
     _greedy(path)
-    assert reads and max(reads) <= 8
+    assert reads and max(reads) <= (exact or 8)
 
 
 @needs_gemm
@@ -311,5 +346,7 @@ def test_with_amx_the_fused_step_reads_the_blocks_as_the_modules_do(tmp_path, mo
     assert _greedy(path) == fused  # tokens and logprobs, exactly
     monkeypatch.setenv("PAGODA_NO_GGUF_BLOCKS", "1")
     onednn = _greedy(path)
+    if exact_block_rows():  # on AMX tiles the blocks round as oneDNN does
+        assert onednn == fused
     assert [tokens for tokens, _ in onednn] == [tokens for tokens, _ in fused]
     assert np.allclose([lp for _, lps in onednn for lp in lps], [lp for _, lps in fused for lp in lps], atol=0.05)

@@ -31,14 +31,13 @@ using WriteKVFn = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::T
 using PrefillFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, double);
 using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t, const Opt&);
 using GemmSiluFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&);
-using GemmBlocksFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
+using GemmBlocksFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t, bool);
 using GemmI8Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
 using MoEFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                 const torch::Tensor&, int64_t);
 
 constexpr int64_t kQuantMaxRows = 8;  // quant_matmul.cpp's fused rows (quant_linear.FUSED_ROWS)
-constexpr int64_t kBlockRowsMax = 8;  // block_tile.h's: the rows GGUF blocks serve (gemm_bf16.cpp)
 
 // cpu_linear.bucket_rows: m up to 16, else m rounded up to a multiple of an eighth of the power of
 // two below it, so that oneDNN builds few primitives.
@@ -220,13 +219,14 @@ class DecodePlan {
   }
 
   // h: the embeddings [M, H]; each row a sequence's next token, or (`prompt`) one prompt's tokens with
-  // no earlier context; `decodes`: no row is a prompt's, so a few rows may read kind 0's blocks. Returns
+  // no earlier context; up to `block_rows` rows read kind 0's blocks, beyond `ours_rows` on AMX tiles
+  // (cpu_linear.block_rows). Returns
   // (the last layer's output, the residual stream), which the final norm adds and normalises.
   std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, torch::Tensor positions, torch::Tensor rope_table,
                                                torch::Tensor slots, torch::Tensor block_tables,
-                                               torch::Tensor seq_lens, bool prompt, bool decodes) {
+                                               torch::Tensor seq_lens, bool prompt, int64_t block_rows, int64_t ours_rows) {
     const int64_t m = h.size(0);
-    decodes_ = decodes;
+    block_rows_ = block_rows, ours_rows_ = ours_rows;
     TORCH_CHECK(!prompt || k_.prefill_attention, "fused decode: a prompt's step without the prefill kernel");
     TORCH_CHECK(m >= 1 && (m <= kQuantMaxRows || !quantized_), "fused decode: quantized weights take 1 to ",
                 kQuantMaxRows, " rows");
@@ -314,8 +314,8 @@ class DecodePlan {
       const torch::Tensor out = f(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.scale, Opt(), l.n);
       return l.bias.has_value() ? out + *l.bias : out;
     }
-    if (l.kind == 0 && l.blocks.has_value() && decodes_ && x.size(0) <= kBlockRowsMax)
-      return k_.gemm_bf16_blocks(x.stride(-1) == 1 ? x : x.contiguous(), *l.blocks, l.bias, l.n);
+    if (l.kind == 0 && l.blocks.has_value() && x.size(0) <= block_rows_)
+      return k_.gemm_bf16_blocks(x.stride(-1) == 1 ? x : x.contiguous(), *l.blocks, l.bias, l.n, x.size(0) > ours_rows_);
     if (l.kind != 2) return packed_linear(x, l.packed, l.bias);
     const torch::Tensor xc = x.contiguous();
     std::vector<torch::Tensor> outs;
@@ -329,7 +329,7 @@ class DecodePlan {
   Kernels k_;
   std::vector<Layer> layers_;
   bool quantized_ = false;  // then at most kQuantMaxRows rows: beyond, the modules dequantize for a GEMM
-  bool decodes_ = false;  // the running step's (run)
+  int64_t block_rows_ = 0, ours_rows_ = 0;  // the running step's (run)
 };
 
 Linear packed(torch::Tensor packed, Opt bias, Opt blocks, int64_t n) {

@@ -40,6 +40,7 @@
 
 #include "balanced_for.h"
 #include "bf16_tile.h"
+#include "amx_blocks.h"
 #include "block_tile.h"
 #include "silu_bf16.h"
 
@@ -124,9 +125,10 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t n, at::Scalar
 }
 
 // The few rows of x against the same weights kept in GGUF blocks (block_tile.h), q [ceil(N/64), K/32,
-// block_bytes]: one task a column block, each thread a contiguous range of them.
+// block_bytes]: one task a column block, each thread a contiguous range of them. `amx`: on AMX tiles
+// (amx_blocks.h: oneDNN's bits, up to kAmxRowsMax rows), else as our GEMM sums (up to kBlockRowsMax).
 void gemm_blocks(const torch::Tensor& x, const torch::Tensor& q, const std::vector<float>& b, int64_t n,
-                 torch::Tensor& y) {
+                 torch::Tensor& y, bool amx = false) {
   const int64_t m = x.size(0), k = x.size(1), tasks = q.size(0), stride = q.size(1) * q.size(2);
   const int bits = block_bits(q.size(2));
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -136,18 +138,25 @@ void gemm_blocks(const torch::Tensor& x, const torch::Tensor& q, const std::vect
 #pragma omp parallel num_threads(threads)
   {
     const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
-    float c[kBlockRowsMax][kCols];
+    alignas(64) float c[kAmxRowsMax][kCols];
     const uint16_t* a[kBlockRowsMax];
-    for (int i = 0; i < m; ++i) a[i] = xp + i * x.stride(0);
+    for (int i = 0; i < m && !amx; ++i) a[i] = xp + i * x.stride(0);
+    if (amx) amx_configure(static_cast<int>(m));
     for (int64_t t = tasks * th / nt; t < tasks * (th + 1) / nt; ++t) {
-      if (bits == 4) tile_blocks_rows<4>(static_cast<int>(m), a, qp + t * stride, k, c);
+      if (amx && bits == 4) amx_tile_blocks<4>(xp, x.stride(0), qp + t * stride, k, c);
+      else if (amx) amx_tile_blocks<8>(xp, x.stride(0), qp + t * stride, k, c);
+      else if (bits == 4) tile_blocks_rows<4>(static_cast<int>(m), a, qp + t * stride, k, c);
       else tile_blocks_rows<8>(static_cast<int>(m), a, qp + t * stride, k, c);
       const int64_t cols = std::min<int64_t>(kCols, n - t * kCols);
       for (int i = 0; i < m; ++i)
         store_row(c[i], cols, nullptr, b.empty() ? nullptr : b.data() + t * kCols, yp + i * n + t * kCols);
     }
+    if (amx) amx_release();
   }
 }
+
+// The most rows gemm_bf16_blocks takes on AMX tiles (oneDNN's bits), or 0 where it cannot use them.
+int64_t amx_block_rows() { return kBuiltWithAmx && amx_permitted() ? kAmxRowsMax : 0; }
 
 void check_blocks(const torch::Tensor& x, const torch::Tensor& q, int64_t n) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() && block_bits(q.size(2)) != 0,
@@ -195,16 +204,19 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Op
   return y;
 }
 
-// x [M, K] bf16, M <= kBlockRowsMax, against weights kept for a few rows in GGUF blocks q alone: where
-// oneDNN has AMX, the bf16 linears' many rows are oneDNN's, and their few rows still read the blocks
-// (exec/cpu_linear.py).
-torch::Tensor gemm_bf16_blocks(const torch::Tensor& x, const torch::Tensor& q, const Opt& bias, int64_t n) {
+// x [M, K] bf16 against weights kept in GGUF blocks q alone: where oneDNN has AMX, the bf16 linears
+// are oneDNN's, and a few of their rows read the blocks (exec/cpu_linear.py). `tiles`: on AMX tiles,
+// rounding as oneDNN does, up to amx_block_rows() rows; else as our GEMM does, up to kBlockRowsMax.
+torch::Tensor gemm_bf16_blocks(const torch::Tensor& x, const torch::Tensor& q, const Opt& bias, int64_t n,
+                               bool tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16, rows contiguous");
-  TORCH_CHECK(x.size(0) <= kBlockRowsMax && built_with_avx512_bf16(), "gemm_bf16: blocks serve at most ", kBlockRowsMax,
+  TORCH_CHECK(!tiles || amx_block_rows() > 0, "gemm_bf16: built without AMX tiles, or not let use them");
+  const int64_t rows = tiles ? kAmxRowsMax : kBlockRowsMax;
+  TORCH_CHECK(x.size(0) <= rows && built_with_avx512_bf16(), "gemm_bf16: blocks serve at most ", rows,
               " rows, with AVX512-BF16");
   check_blocks(x, q, n);
   auto y = torch::empty({x.size(0), n}, x.options());
-  if (x.size(0) > 0) gemm_blocks(x, q, column_floats(bias, n, "gemm_bf16", "bias"), n, y);
+  if (x.size(0) > 0) gemm_blocks(x, q, column_floats(bias, n, "gemm_bf16", "bias"), n, y, tiles);
   return y;
 }
 
@@ -266,9 +278,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q") = py::none());
   m.def("gemm_bf16_silu", &gemm_bf16_silu, py::arg("x"), py::arg("w"), py::arg("n"), py::arg("q") = py::none());
   m.def("gemm_i8_bf16", &gemm_i8_bf16, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"));
-  m.def("gemm_bf16_blocks", &gemm_bf16_blocks, py::arg("x"), py::arg("q"), py::arg("bias"), py::arg("n"));
+  m.def("gemm_bf16_blocks", &gemm_bf16_blocks, py::arg("x"), py::arg("q"), py::arg("bias"), py::arg("n"),
+        py::arg("tiles") = false);
   m.def("blocks_widen_to", &blocks_widen_to, py::arg("q"), py::arg("w"));
   m.attr("BLOCK_ROWS_MAX") = kBlockRowsMax;
+  m.def("amx_block_rows", &amx_block_rows);
   m.def("has_avx512_bf16", &pagoda_bf16::built_with_avx512_bf16);
   // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
   m.def("_addresses", [] {

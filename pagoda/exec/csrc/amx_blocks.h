@@ -1,0 +1,115 @@
+// The few-row GEMM over a GGUF file's blocks on AMX tiles, rounding as oneDNN's bf16 GEMM does.
+//
+// Why: where oneDNN has AMX, the bf16 linears are oneDNN's, and up to 32 rows (SmolLM2's shapes, 2
+// threads) it sums each output over k in order, 32 at a time with TDPBF16PS, from zero, then rounds
+// to bf16 once (above that it splits k in two and adds the halves). TDPBF16PS rounds inside a pair
+// of k otherwise than VDPBF16PS (~80 % of float32 sums differ), so block_tile.h's kernel cannot give
+// oneDNN's bits; this one, the same TDPBF16PS over the same k order, does, value for value
+// (tests/exec/test_gguf_block_linears.py). A prompt's rows may then read the blocks as a decode's do: a
+// position rounds alike whether its step reads the blocks or the bf16 copy.
+//
+// Tiles: 0-3 the sums of a task's four blocks of 16 columns (rows x 16 floats), 4 the rows' 32 k
+// (rows x 32 bf16, read in place from x), 5 and 6 a block's 32 k widened (16 pairs x 16 columns x
+// 2: block_tile.h's widen_pair gives one tile row), written to one of four buffers in turn.
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "block_tile.h"
+
+namespace pagoda_bf16 {
+
+// Rows at most in one pass: a tile's 16.
+constexpr int kAmxRowsMax = 16;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kBuiltWithAmx = true;
+
+// Linux hands out the tiles' state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA), once.
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// This thread's tiles for `rows` rows of x.
+inline void amx_configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+  for (int t = 5; t < 7; ++t) cfg.rows[t] = kBlockK / 2, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// GCC's tile loads and stores are asm statements that do not say they touch memory: without this
+// barrier the compiler may drop or move the buffer's stores before a load, or c's reads before a store.
+inline void memory_barrier() { asm volatile("" ::: "memory"); }
+
+// Block j of a k-block's 16 columns, widened into a B tile's 16 rows.
+template <int Bits>
+inline void widen_tile(const uint8_t* blk, int j, uint16_t (*tile)[2 * kBlock]) {
+  constexpr int64_t kPair = kNB * kBlock * Bits / 4;
+  const PairScales scales = block_scales(blk, j);
+  const uint8_t* q = blk + kHeader;
+  for (int p = 0; p < kBlockK / 2; ++p) _mm512_store_si512(tile[p], (__m512i)widen_pair<Bits>(q + p * kPair, j, scales));
+  memory_barrier();
+}
+
+// c[m][col] = sum_k a[m][k] * w(k, col), m < the configured rows, over one task's blocks w (k a
+// multiple of 32); a's rows lda elements apart. The values are read once: prefetched into L2, as
+// tile_blocks does.
+template <int Bits>
+void amx_tile_blocks(const uint16_t* a, int64_t lda, const uint8_t* w, int64_t k, float (*c)[kNB * kBlock]) {
+  alignas(64) uint16_t tiles[4][kBlockK / 2][2 * kBlock];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t b = 0; b < k / kBlockK; ++b) {
+    const uint8_t* blk = w + b * block_bytes(Bits);
+    for (int64_t line = 0; line < block_bytes(Bits); line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + line, _MM_HINT_T1);
+    memory_barrier();  // x's rows, written before the call
+    _tile_loadd(4, a + b * kBlockK, lda * 2);
+    // A tile's number is an immediate: the four blocks written out, B in tiles 5 and 6 by turns.
+    widen_tile<Bits>(blk, 0, tiles[0]);
+    _tile_loadd(5, tiles[0], 64);
+    _tile_dpbf16ps(0, 4, 5);
+    widen_tile<Bits>(blk, 1, tiles[1]);
+    _tile_loadd(6, tiles[1], 64);
+    _tile_dpbf16ps(1, 4, 6);
+    widen_tile<Bits>(blk, 2, tiles[2]);
+    _tile_loadd(5, tiles[2], 64);
+    _tile_dpbf16ps(2, 4, 5);
+    widen_tile<Bits>(blk, 3, tiles[3]);
+    _tile_loadd(6, tiles[3], 64);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  constexpr int64_t kStride = kNB * kBlock * sizeof(float);
+  _tile_stored(0, c[0], kStride);
+  _tile_stored(1, c[0] + kBlock, kStride);
+  _tile_stored(2, c[0] + 2 * kBlock, kStride);
+  _tile_stored(3, c[0] + 3 * kBlock, kStride);
+  memory_barrier();
+}
+
+inline void amx_release() { _tile_release(); }
+#else
+constexpr bool kBuiltWithAmx = false;
+inline bool amx_permitted() { return false; }
+inline void amx_configure(int) {}
+template <int Bits>
+void amx_tile_blocks(const uint16_t*, int64_t, const uint8_t*, int64_t, float (*)[kNB * kBlock]) {
+  TORCH_CHECK(false, "amx_tile_blocks: built without AMX");
+}
+inline void amx_release() {}
+#endif
+
+}  // namespace pagoda_bf16
