@@ -34,10 +34,10 @@ Where oneDNN has AMX it wins instead, and the bf16 linears and the head stay wit
 (PAGODA_BF16_GEMM=1 still picks our GEMM, which the quantized paths use either way); their GGUF
 blocks, where kept, still serve a few rows through our kernel (`gemm_bf16_blocks`), which reads the
 smaller copy faster than oneDNN reads the bf16 one. It sums them on AMX tiles as oneDNN does
-(csrc/amx_blocks.h), with oneDNN's bits, so up to 16 rows of any step read them (`block_rows`):
-SmolLM2's 30 layers, 2-core Xeon, 7.0 ms for one row and 8.9 for 16 against oneDNN's 20-21 ms at
-either. Without the tiles our kernel's bits differ from oneDNN's in rare elements, and only up to 8
-rows of a step of decodes read them (`decode_step`). On that Xeon, SmolLM2's projections, our GEMM
+(csrc/amx_blocks.h), with oneDNN's bits (checked once per shape, `tiles_agree`), so up to 32 rows
+of any step read them (`block_rows`): SmolLM2's 30 layers, 2-core Xeon, 7.0 ms for one row and 8.9
+for 16 against oneDNN's 20-21 ms at either. Without the tiles our kernel's bits differ from
+oneDNN's in rare elements, and only up to 8 rows of a step of decodes read them (`decode_step`). On that Xeon, SmolLM2's projections, our GEMM
 against oneDNN's packed GEMM: 2-3.7x oneDNN's time at 16-64 rows, 5-12x at 512 and 2,048 (oneDNN
 ~2,200 GFLOP/s there), 0.34-1.3x for 1-8 rows; the head 1.7-4x at any count (docs/perf-notes.md, "AMX").
 """
@@ -219,6 +219,36 @@ def exact_block_rows() -> int:
     return kernel.amx_block_rows() if kernel is not None and loader.cpu_has_amx() else 0
 
 
+_tile_checks: dict[tuple[int, int, int], bool] = {}
+
+
+def tiles_agree(packed: torch.Tensor, blocks: torch.Tensor, n: int) -> bool:
+    """Whether `blocks` on AMX tiles give oneDNN's bits over `packed` (the same weights, n columns) at
+    1 to exact_block_rows() rows. oneDNN picks how it sums by shape and row count (from 33 rows of
+    SmolLM2's shapes it splits k), so each shape is checked once, on random rows, at the counts
+    where a tile's rows end and begin; a linear of a shape that fails keeps no blocks."""
+    k = blocks.shape[1] * 32
+    key = (n, k, blocks.shape[2])
+    if key not in _tile_checks:
+        most, g = exact_block_rows(), torch.Generator().manual_seed(0)
+        agree = True
+        for m in sorted({1, min(16, most), min(17, most), most}) * 2:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            ours = gemm_kernel().gemm_bf16_blocks(x, blocks, None, n, True)
+            agree = agree and torch.equal(ours.view(torch.int16), _packed_linear(x, packed, None).view(torch.int16))
+        _tile_checks[key] = agree
+        if not agree:
+            logger.info("GGUF blocks of a %d x %d linear dropped: oneDNN sums it otherwise than AMX tiles", n, k)
+    return _tile_checks[key]
+
+
+def _kept(blocks: torch.Tensor | None, packed: torch.Tensor, gemm: bool) -> torch.Tensor | None:
+    """`blocks`, unless beside oneDNN on AMX tiles that sum their shape otherwise (tiles_agree)."""
+    if blocks is None or gemm or not exact_block_rows():
+        return blocks
+    return blocks if tiles_agree(packed, blocks, packed.shape[0]) else None
+
+
 def block_rows() -> tuple[int, int]:
     """(The most rows of the running step that read a linear's GGUF blocks beside oneDNN, the most of
     those that our kernel sums as our GEMM does rather than on AMX tiles.) A step of decodes' rows
@@ -247,7 +277,7 @@ class PackedLMHead:
         self.out_features = weight.shape[0]
         self.gemm = gemm_applies(weight)
         self.packed = pack_gemm(weight) if self.gemm else _pack(weight)
-        self.blocks = block_copy(parts, weight, self.packed if self.gemm else None)
+        self.blocks = _kept(block_copy(parts, weight, self.packed if self.gemm else None), self.packed, self.gemm)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         tiles = None if self.gemm else _on_blocks(hidden, self.blocks)
@@ -274,7 +304,7 @@ class PackedLinear(nn.Module):
         packed = None  # a paired linear needs the [gate | up] packing only to check its blocks against
         if not (self.fuses_silu and not parts):
             packed = pack_gemm(linear.weight) if self.gemm else _pack(linear.weight)
-        self.blocks = block_copy(parts, linear.weight, packed if self.gemm else None)  # as PackedLMHead's
+        self.blocks = _kept(block_copy(parts, linear.weight, packed if self.gemm else None), packed, self.gemm)  # as the head's
         if self.fuses_silu:
             packed = pack_gemm(pair_gate_up(linear.weight.detach()))
         self.packed, self.paired = (None, packed) if self.fuses_silu else (packed, None)

@@ -216,14 +216,14 @@ def _amx(monkeypatch):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_with_amx_a_few_rows_read_the_blocks_and_the_rest_onednn(monkeypatch, qtype):
     """With AMX (here, or emulated: cpu_has_amx patched on a CPU without), bf16 linears are oneDNN's.
-    On AMX tiles the blocks give oneDNN's bits and serve up to 16 rows of any step, but for a step of
+    On AMX tiles the blocks give oneDNN's bits and serve up to 32 rows of any step, but for a step of
     decodes' one row, which our kernel sums; without the tiles our kernel serves up to 8 rows of a
     step of decodes only."""
     from pagoda.exec import cpu_linear
 
     _amx(monkeypatch)
     exact = cpu_linear.exact_block_rows()
-    assert exact in (0, 16)
+    assert exact in (0, 32)
     parts = [_part(qtype, 200, 576, 7)]
     linear = torch.nn.Linear(576, 200).to(torch.bfloat16)
     linear.weight.data = _loaded_bf16(parts)
@@ -232,7 +232,7 @@ def test_with_amx_a_few_rows_read_the_blocks_and_the_rest_onednn(monkeypatch, qt
     assert not head.gemm and head.packed.is_mkldnn and head.blocks is not None
     ours, bias = pack_gemm(linear.weight), linear.bias.detach()  # a bias needing grad: oneDNN adds it apart
     g = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 5, 8, 9, 16, 17, 64):
+    for rows in (1, 2, 5, 8, 9, 16, 17, 32, 33, 64):
         x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
         onednn, onednn_head = cpu_linear._packed_linear(x, packed.packed, bias), cpu_linear._packed_linear(x, head.packed, None)
         for decodes in (False, True):
@@ -258,7 +258,7 @@ needs_amx = pytest.mark.skipif(not exact_block_rows(), reason="no AMX here (nor 
 @needs_amx
 @pytest.mark.parametrize("qtype", TYPES)
 def test_on_amx_tiles_the_blocks_round_as_onednn(qtype):
-    """The blocks summed on AMX tiles give oneDNN's bf16 GEMM's bits, value for value, for 1-16 rows
+    """The blocks summed on AMX tiles give oneDNN's bf16 GEMM's bits, value for value, for 1-32 rows
     of SmolLM2's shapes (and a width that is no multiple of 64), with and without a bias."""
     from pagoda.exec import cpu_linear
 
@@ -267,12 +267,35 @@ def test_on_amx_tiles_the_blocks_round_as_onednn(qtype):
         parts = [_part(qtype, n, k, 10 + i)]
         blocks, onednn = pack_blocks(parts), cpu_linear._pack(_loaded_bf16(parts))
         bias = torch.randn(n, generator=g).to(torch.bfloat16)
-        for rows in range(1, 17):
+        for rows in range(1, 33):
             x = torch.randn(2 * rows, k, generator=g).to(torch.bfloat16)[::2]  # strided rows
             for b in (None, bias):
                 want = cpu_linear._packed_linear(x.contiguous(), onednn, b)
                 assert torch.equal(gemm_kernel().gemm_bf16_blocks(x, blocks, b, n, True).view(torch.int16),
                                    want.view(torch.int16)), (n, k, rows, b is None)
+
+
+@needs_amx
+def test_a_shape_that_onednn_sums_otherwise_keeps_no_blocks(monkeypatch):
+    """Each shape's tiles are checked against oneDNN once; where one output differs (oneDNN summing
+    that shape otherwise), its linears keep no blocks and run on oneDNN alone."""
+    from pagoda.exec import cpu_linear
+
+    _amx(monkeypatch)
+    parts = [_part("Q4_1", 320, 576, 8)]
+    linear = torch.nn.Linear(576, 320, bias=False).to(torch.bfloat16)
+    linear.weight.data = _loaded_bf16(parts)
+    assert PackedLinear(linear, parts).blocks is not None and cpu_linear._tile_checks[(320, 576, 1280)]
+    packed_linear = cpu_linear._packed_linear
+
+    def one_bit_off(x, packed, bias):
+        out = packed_linear(x, packed, bias)
+        out.view(torch.int16)[0, 0] ^= 1
+        return out
+
+    monkeypatch.setattr(cpu_linear, "_packed_linear", one_bit_off)
+    monkeypatch.setattr(cpu_linear, "_tile_checks", {})
+    assert PackedLinear(linear, parts).blocks is None and PackedLMHead(linear.weight, parts).blocks is None
 
 
 def _tiny_q4_1(tmp_path):

@@ -8,20 +8,25 @@
 // (tests/exec/test_gguf_block_linears.py). A prompt's rows may then read the blocks as a decode's do: a
 // position rounds alike whether its step reads the blocks or the bf16 copy.
 //
-// Tiles: 0-3 the sums of a task's four blocks of 16 columns (rows x 16 floats), 4 the rows' 32 k
-// (rows x 32 bf16, read in place from x), 5 and 6 a block's 32 k widened (16 pairs x 16 columns x
-// 2: block_tile.h's widen_pair gives one tile row), written to one of four buffers in turn.
+// Tiles, up to 16 rows: 0-3 the sums of a task's four blocks of 16 columns (rows x 16 floats), 4 the
+// rows' 32 k (rows x 32 bf16, read in place from x), 5 and 6 a block's 32 k widened (16 pairs x 16
+// columns x 2: block_tile.h's widen_pair gives one tile row), written to one of four buffers in
+// turn. 17-32 rows: two passes over k, each for two of the four blocks: 0-3 the sums of (the first
+// 16 rows, the rest) x (the two blocks), 4 and 5 the two groups of rows, 6 and 7 the two blocks.
 #pragma once
 
 #include <sys/syscall.h>
+#include <algorithm>
 #include <unistd.h>
 
 #include "block_tile.h"
 
 namespace pagoda_bf16 {
 
-// Rows at most in one pass: a tile's 16.
-constexpr int kAmxRowsMax = 16;
+// Rows at most: two tiles' (oneDNN sums in order up to 32 rows of SmolLM2's shapes; from 33 it
+// splits k, docs/perf-notes.md, 2026-12-07 "AMX tiles").
+constexpr int kAmxRowsMax = 32;
+constexpr int kTileRows = 16;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kBuiltWithAmx = true;
@@ -43,14 +48,29 @@ struct alignas(64) TileConfig {
 // This thread's tiles for `rows` rows of x.
 inline void amx_configure(int rows) {
   TileConfig cfg;
-  for (int t = 0; t < 5; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
-  for (int t = 5; t < 7; ++t) cfg.rows[t] = kBlockK / 2, cfg.colsb[t] = 64;
+  const int first = std::min(rows, kTileRows), rest = rows - first;
+  if (rest == 0) {
+    for (int t = 0; t < 5; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+    for (int t = 5; t < 7; ++t) cfg.rows[t] = kBlockK / 2, cfg.colsb[t] = 64;
+  } else {
+    for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(first);
+    for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(rest);
+    for (int t : {6, 7}) cfg.rows[t] = kBlockK / 2;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  }
   _tile_loadconfig(&cfg);
 }
 
 // GCC's tile loads and stores are asm statements that do not say they touch memory: without this
 // barrier the compiler may drop or move the buffer's stores before a load, or c's reads before a store.
 inline void memory_barrier() { asm volatile("" ::: "memory"); }
+
+inline void zero_sums() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
 
 // Block j of a k-block's 16 columns, widened into a B tile's 16 rows.
 template <int Bits>
@@ -68,10 +88,7 @@ inline void widen_tile(const uint8_t* blk, int j, uint16_t (*tile)[2 * kBlock]) 
 template <int Bits>
 void amx_tile_blocks(const uint16_t* a, int64_t lda, const uint8_t* w, int64_t k, float (*c)[kNB * kBlock]) {
   alignas(64) uint16_t tiles[4][kBlockK / 2][2 * kBlock];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_sums();
   for (int64_t b = 0; b < k / kBlockK; ++b) {
     const uint8_t* blk = w + b * block_bytes(Bits);
     for (int64_t line = 0; line < block_bytes(Bits); line += 64)
@@ -100,6 +117,38 @@ void amx_tile_blocks(const uint16_t* a, int64_t lda, const uint8_t* w, int64_t k
   memory_barrier();
 }
 
+// The same for 17-32 rows (amx_configure's second layout): a pass over k for each half of the
+// task's blocks, each block widened once.
+template <int Bits>
+void amx_tile_blocks_two(const uint16_t* a, int64_t lda, const uint8_t* w, int64_t k, float (*c)[kNB * kBlock]) {
+  alignas(64) uint16_t tiles[2][kBlockK / 2][2 * kBlock];
+  constexpr int64_t kStride = kNB * kBlock * sizeof(float);
+  for (int j = 0; j < kNB; j += 2) {
+    zero_sums();
+    for (int64_t b = 0; b < k / kBlockK; ++b) {
+      const uint8_t* blk = w + b * block_bytes(Bits);
+      for (int64_t line = 0; line < block_bytes(Bits) && j == 0; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + line, _MM_HINT_T1);
+      memory_barrier();
+      _tile_loadd(4, a + b * kBlockK, lda * 2);
+      _tile_loadd(5, a + kTileRows * lda + b * kBlockK, lda * 2);
+      widen_tile<Bits>(blk, j, tiles[0]);
+      _tile_loadd(6, tiles[0], 64);
+      widen_tile<Bits>(blk, j + 1, tiles[1]);
+      _tile_loadd(7, tiles[1], 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c[0] + j * kBlock, kStride);
+    _tile_stored(1, c[0] + (j + 1) * kBlock, kStride);
+    _tile_stored(2, c[kTileRows] + j * kBlock, kStride);
+    _tile_stored(3, c[kTileRows] + (j + 1) * kBlock, kStride);
+  }
+  memory_barrier();
+}
+
 inline void amx_release() { _tile_release(); }
 #else
 constexpr bool kBuiltWithAmx = false;
@@ -107,6 +156,10 @@ inline bool amx_permitted() { return false; }
 inline void amx_configure(int) {}
 template <int Bits>
 void amx_tile_blocks(const uint16_t*, int64_t, const uint8_t*, int64_t, float (*)[kNB * kBlock]) {
+  TORCH_CHECK(false, "amx_tile_blocks: built without AMX");
+}
+template <int Bits>
+void amx_tile_blocks_two(const uint16_t*, int64_t, const uint8_t*, int64_t, float (*)[kNB * kBlock]) {
   TORCH_CHECK(false, "amx_tile_blocks: built without AMX");
 }
 inline void amx_release() {}

@@ -143,7 +143,10 @@ void gemm_blocks(const torch::Tensor& x, const torch::Tensor& q, const std::vect
     for (int i = 0; i < m && !amx; ++i) a[i] = xp + i * x.stride(0);
     if (amx) amx_configure(static_cast<int>(m));
     for (int64_t t = tasks * th / nt; t < tasks * (th + 1) / nt; ++t) {
-      if (amx && bits == 4) amx_tile_blocks<4>(xp, x.stride(0), qp + t * stride, k, c);
+      if (amx && m > kTileRows) {
+        if (bits == 4) amx_tile_blocks_two<4>(xp, x.stride(0), qp + t * stride, k, c);
+        else amx_tile_blocks_two<8>(xp, x.stride(0), qp + t * stride, k, c);
+      } else if (amx && bits == 4) amx_tile_blocks<4>(xp, x.stride(0), qp + t * stride, k, c);
       else if (amx) amx_tile_blocks<8>(xp, x.stride(0), qp + t * stride, k, c);
       else if (bits == 4) tile_blocks_rows<4>(static_cast<int>(m), a, qp + t * stride, k, c);
       else tile_blocks_rows<8>(static_cast<int>(m), a, qp + t * stride, k, c);
