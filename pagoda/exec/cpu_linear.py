@@ -222,12 +222,12 @@ def exact_block_rows() -> int:
 _tile_checks: dict[tuple[int, int, int], bool] = {}
 
 
-def tiles_agree(packed: torch.Tensor, blocks: torch.Tensor, n: int) -> bool:
-    """Whether `blocks` on AMX tiles give oneDNN's bits over `packed` (the same weights, n columns) at
+def tiles_agree(packed: torch.Tensor, blocks: torch.Tensor) -> bool:
+    """Whether `blocks` on AMX tiles give oneDNN's bits over `packed` (the same weights, oneDNN's) at
     1 to exact_block_rows() rows. oneDNN picks how it sums by shape and row count (from 33 rows of
     SmolLM2's shapes it splits k), so each shape is checked once, on random rows, at the counts
     where a tile's rows end and begin; a linear of a shape that fails keeps no blocks."""
-    k = blocks.shape[1] * 32
+    n, k = packed.shape[0], blocks.shape[1] * 32
     key = (n, k, blocks.shape[2])
     if key not in _tile_checks:
         most, g = exact_block_rows(), torch.Generator().manual_seed(0)
@@ -246,7 +246,7 @@ def _kept(blocks: torch.Tensor | None, packed: torch.Tensor, gemm: bool) -> torc
     """`blocks`, unless beside oneDNN on AMX tiles that sum their shape otherwise (tiles_agree)."""
     if blocks is None or gemm or not exact_block_rows():
         return blocks
-    return blocks if tiles_agree(packed, blocks, packed.shape[0]) else None
+    return blocks if tiles_agree(packed, blocks) else None
 
 
 def block_rows() -> tuple[int, int]:

@@ -38,9 +38,9 @@
 #include <string>
 #include <vector>
 
+#include "amx_blocks.h"
 #include "balanced_for.h"
 #include "bf16_tile.h"
-#include "amx_blocks.h"
 #include "block_tile.h"
 #include "silu_bf16.h"
 
