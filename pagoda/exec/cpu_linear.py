@@ -68,6 +68,7 @@ _TASK_COLS = 64  # output columns per task of the bf16 GEMM (gemm_bf16.cpp's kCo
 _PAIR_COLS = _TASK_COLS // 2  # gate (and up) columns per task of gemm_bf16_silu
 BLOCK_ROWS = 8  # the most rows GGUF blocks serve (gemm_bf16.cpp's kBlockRowsMax)
 DECODE_ROWS_OURS = 1  # a step of decodes' rows that our kernel sums where AMX tiles could (block_rows)
+DECODE_TILE_ROWS = 64  # a step of decodes' rows at most on AMX tiles (block_rows)
 
 
 @lru_cache(maxsize=1)
@@ -252,12 +253,20 @@ def _kept(blocks: torch.Tensor | None, packed: torch.Tensor, gemm: bool) -> torc
 def block_rows() -> tuple[int, int]:
     """(The most rows of the running step that read a linear's GGUF blocks beside oneDNN, the most of
     those that our kernel sums as our GEMM does rather than on AMX tiles.) A step of decodes' rows
-    may round apart from oneDNN, and one row takes our kernel: one stream decoded 7-10 % slower on the
-    tiles, which read the blocks faster alone; 4 streams ran 15-20 % faster on them than on ours
-    (docs/perf-notes.md, 2026-12-07 "AMX tiles")."""
+    may round apart from oneDNN: one row takes our kernel (one stream decoded 7-10 % slower on the
+    tiles, which read the blocks faster alone; 4 streams ran 15-20 % faster on them than on ours),
+    and up to DECODE_TILE_ROWS the tiles, summing k in order where oneDNN splits it from 33 rows
+    (30 layers' linears at 64 rows from memory: ~0.7x oneDNN's time; docs/perf-notes.md, 2026-12-07
+    "AMX tiles" and "64 rows")."""
     exact = exact_block_rows()
-    ours = (DECODE_ROWS_OURS if exact else BLOCK_ROWS) if _decodes.get() else 0
-    return max(exact, ours), ours
+    if not _decodes.get():
+        return exact, 0
+    return (DECODE_TILE_ROWS, DECODE_ROWS_OURS) if exact else (BLOCK_ROWS, BLOCK_ROWS)
+
+
+def decode_block_rows() -> int:
+    """The most rows a step of decodes reads the blocks for (so the runner asks no further)."""
+    return DECODE_TILE_ROWS if exact_block_rows() else BLOCK_ROWS
 
 
 def _on_blocks(x: torch.Tensor, blocks: torch.Tensor | None) -> bool | None:

@@ -20,7 +20,7 @@ import torch
 
 from pagoda.contracts.step import ScheduledRequest, SchedulerOutput
 from pagoda.exec.attn_metadata import PagedAttentionMetadata
-from pagoda.exec.cpu_linear import BLOCK_ROWS, decode_step, logits_fn, pack_linears
+from pagoda.exec.cpu_linear import decode_block_rows, decode_step, logits_fn, pack_linears
 from pagoda.exec.quant_linear import install_quant_kernels
 from pagoda.exec.runner_state import BlockTables, CachedRequest
 from pagoda.exec.cpu_moe import prepare_experts
@@ -108,7 +108,7 @@ class ModelRunner:
         rounding as our kernel does, not as oneDNN: cpu_linear.decode_step); asked only of the few
         requests such a step can have."""
         states = self.requests
-        return len(order) <= BLOCK_ROWS and all(
+        return len(order) <= decode_block_rows() and all(
             s.num_computed_tokens >= len(states[s.request_id].prompt_token_ids) for s in order)
 
     def _forget(self, request_ids: list[str], keep_generator: bool = False) -> None:

@@ -217,8 +217,9 @@ def _amx(monkeypatch):
 def test_with_amx_a_few_rows_read_the_blocks_and_the_rest_onednn(monkeypatch, qtype):
     """With AMX (here, or emulated: cpu_has_amx patched on a CPU without), bf16 linears are oneDNN's.
     On AMX tiles the blocks give oneDNN's bits and serve up to 32 rows of any step, but for a step of
-    decodes' one row, which our kernel sums; without the tiles our kernel serves up to 8 rows of a
-    step of decodes only."""
+    decodes' one row, which our kernel sums; a step of decodes reads them on the tiles up to 64 rows,
+    k summed in order (its 16-row groups' bits) where oneDNN splits k from 33 rows. Without the tiles
+    our kernel serves up to 8 rows of a step of decodes only."""
     from pagoda.exec import cpu_linear
 
     _amx(monkeypatch)
@@ -232,22 +233,30 @@ def test_with_amx_a_few_rows_read_the_blocks_and_the_rest_onednn(monkeypatch, qt
     assert not head.gemm and head.packed.is_mkldnn and head.blocks is not None
     ours, bias = pack_gemm(linear.weight), linear.bias.detach()  # a bias needing grad: oneDNN adds it apart
     g = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 5, 8, 9, 16, 17, 32, 33, 64):
+
+    def by_groups(x: torch.Tensor, b: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+        return torch.cat([gemm_kernel().gemm_bf16_blocks(x[i:i + 16].contiguous(), blocks, b, 200, True)
+                          for i in range(0, x.shape[0], 16)])
+
+    for rows in (1, 2, 5, 8, 9, 16, 17, 32, 33, 40, 64, 65):
         x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
         onednn, onednn_head = cpu_linear._packed_linear(x, packed.packed, bias), cpu_linear._packed_linear(x, head.packed, None)
         for decodes in (False, True):
             with decode_step(decodes):
-                ours_rows = (1 if exact else 8) if decodes else 0
+                most, ours_rows = ((64, 1) if exact else (8, 8)) if decodes else (exact, 0)
+                assert cpu_linear.block_rows() == (most, ours_rows)
                 tiles = cpu_linear._on_blocks(x, packed.blocks)
-                assert tiles == (None if rows > max(exact, ours_rows) else rows > ours_rows)
+                assert tiles == (None if rows > most else rows > ours_rows)
                 want, want_head = onednn, onednn_head
                 if rows <= ours_rows:  # our kernel's bits over the blocks
                     want = gemm_kernel().gemm_bf16(x, ours, bias, 200, packed.blocks)
                     want_head = gemm_kernel().gemm_bf16(x, ours, None, 200, head.blocks)
+                elif exact < rows <= most:  # the tiles past oneDNN's k split: each 16 rows' own bits
+                    want, want_head = by_groups(x, bias, packed.blocks), by_groups(x, None, head.blocks)
                 assert torch.equal(packed(x).view(torch.int16), want.view(torch.int16))
                 assert torch.equal(head(x).view(torch.int16), want_head.view(torch.int16))
     assert gemm_kernel().BLOCK_ROWS_MAX == BLOCK_ROWS  # the rows the runner and the modules give the blocks
-    for tiles, most in ((False, 8), (True, exact)) if exact else ((False, 8),):
+    for tiles, most in ((False, 8), (True, gemm_kernel().AMX_ROWS_MAX)) if exact else ((False, 8),):
         with pytest.raises(RuntimeError, match=f"at most {most} rows"):
             gemm_kernel().gemm_bf16_blocks(torch.zeros(most + 1, 576, dtype=torch.bfloat16), packed.blocks, None, 200, tiles)
 
@@ -271,6 +280,27 @@ def test_on_amx_tiles_the_blocks_round_as_onednn(qtype):
             x = torch.randn(2 * rows, k, generator=g).to(torch.bfloat16)[::2]  # strided rows
             for b in (None, bias):
                 want = cpu_linear._packed_linear(x.contiguous(), onednn, b)
+                assert torch.equal(gemm_kernel().gemm_bf16_blocks(x, blocks, b, n, True).view(torch.int16),
+                                   want.view(torch.int16)), (n, k, rows, b is None)
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", TYPES)
+def test_on_amx_tiles_more_rows_sum_as_onednn_sums_sixteen(qtype):
+    """Past 32 rows (a step of decodes) the tiles still sum k in order from zero: every row gets the
+    bits oneDNN gives it in a step of 16 rows (where oneDNN itself, from 33 rows, splits k), at any
+    count up to the most, rows strided or not, with and without a bias."""
+    from pagoda.exec import cpu_linear
+
+    g = torch.Generator().manual_seed(4)
+    for i, (n, k) in enumerate([(960, 576), (3072, 576), (576, 1536), (200, 576)]):
+        parts = [_part(qtype, n, k, 20 + i)]
+        blocks, onednn = pack_blocks(parts), cpu_linear._pack(_loaded_bf16(parts))
+        bias = torch.randn(n, generator=g).to(torch.bfloat16)
+        for rows in (33, 47, 64, 65, 100, gemm_kernel().AMX_ROWS_MAX):
+            x = torch.randn(2 * rows, k, generator=g).to(torch.bfloat16)[::2]
+            for b in (None, bias):
+                want = torch.cat([cpu_linear._packed_linear(x[r:r + 16].contiguous(), onednn, b) for r in range(0, rows, 16)])
                 assert torch.equal(gemm_kernel().gemm_bf16_blocks(x, blocks, b, n, True).view(torch.int16),
                                    want.view(torch.int16)), (n, k, rows, b is None)
 

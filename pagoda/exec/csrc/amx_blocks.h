@@ -2,7 +2,7 @@
 //
 // Why: where oneDNN has AMX, the bf16 linears are oneDNN's, and up to 32 rows (SmolLM2's shapes, 2
 // threads) it sums each output over k in order, 32 at a time with TDPBF16PS, from zero, then rounds
-// to bf16 once (above that it splits k in two and adds the halves). TDPBF16PS rounds inside a pair
+// to bf16 once (above that it splits k in parts, two for K = 576, three or four for 1,536, and adds them). TDPBF16PS rounds inside a pair
 // of k otherwise than VDPBF16PS (~80 % of float32 sums differ), so block_tile.h's kernel cannot give
 // oneDNN's bits; this one, the same TDPBF16PS over the same k order, does, value for value
 // (tests/exec/test_gguf_block_linears.py). A prompt's rows may then read the blocks as a decode's do: a
@@ -26,6 +26,8 @@ namespace pagoda_bf16 {
 // Rows at most: two tiles' (oneDNN sums in order up to 32 rows of SmolLM2's shapes; from 33 it
 // splits k, docs/perf-notes.md, 2026-12-07 "AMX tiles").
 constexpr int kAmxRowsMax = 32;
+// Rows at most on tiles at all (amx_tile_blocks_many; a step of decodes, which may round otherwise).
+constexpr int kAmxManyRowsMax = 256;
 constexpr int kTileRows = 16;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -45,11 +47,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// This thread's tiles for `rows` rows of x.
+// This thread's tiles for `rows` rows of x (more than kAmxRowsMax: amx_tile_blocks_many's, every
+// tile 16 rows of 64 bytes).
 inline void amx_configure(int rows) {
   TileConfig cfg;
   const int first = std::min(rows, kTileRows), rest = rows - first;
-  if (rest == 0) {
+  if (rows > kAmxRowsMax) {
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = kTileRows, cfg.colsb[t] = 64;
+  } else if (rest == 0) {
     for (int t = 0; t < 5; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
     for (int t = 5; t < 7; ++t) cfg.rows[t] = kBlockK / 2, cfg.colsb[t] = 64;
   } else {
@@ -149,6 +154,59 @@ void amx_tile_blocks_two(const uint16_t* a, int64_t lda, const uint8_t* w, int64
   memory_barrier();
 }
 
+// The same for any rows, padded to a multiple of 32 (a's rows past the caller's are zeros; c has as
+// many rows): k in chunks of kManyChunk blocks, each chunk's blocks widened once into this thread's
+// scratch, then a pass over the chunk per (32 rows, two blocks) as in amx_tile_blocks_two, the sums
+// kept in c between chunks (a float32 store and load is exact: the sums are those of one pass). k in
+// order from zero, so a row's sums are those of the kernels above; oneDNN splits k from 33 rows, so
+// these rows round otherwise than oneDNN's (a step of decodes may: exec/cpu_linear.py, block_rows).
+// 6 blocks' tiles (24 KB) stay in L1 beside x's columns and the sums; 2, 4 and 6 measured alike.
+constexpr int64_t kManyChunk = 6;
+template <int Bits>
+void amx_tile_blocks_many(const uint16_t* a, int64_t lda, int64_t rows, const uint8_t* w, int64_t k, float (*c)[kNB * kBlock]) {
+  alignas(64) uint16_t tiles[kManyChunk][kNB][kBlockK / 2][2 * kBlock];
+  constexpr int64_t kStride = kNB * kBlock * sizeof(float);
+  const int64_t kblocks = k / kBlockK;
+  for (int64_t b0 = 0; b0 < kblocks; b0 += kManyChunk) {
+    const int64_t chunk = std::min(kManyChunk, kblocks - b0);
+    for (int64_t b = 0; b < chunk; ++b) {
+      const uint8_t* blk = w + (b0 + b) * block_bytes(Bits);
+      for (int64_t line = 0; line < block_bytes(Bits); line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + line, _MM_HINT_T1);
+      for (int j = 0; j < kNB; ++j) widen_tile<Bits>(blk, j, tiles[b][j]);
+    }
+    memory_barrier();  // x's rows, the widened tiles and the sums so far, written before their loads
+    for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
+      const uint16_t* a0 = a + r * lda + b0 * kBlockK;
+      for (int j = 0; j < kNB; j += 2) {
+        if (b0 == 0) {
+          zero_sums();
+        } else {
+          _tile_loadd(0, c[r] + j * kBlock, kStride);
+          _tile_loadd(1, c[r] + (j + 1) * kBlock, kStride);
+          _tile_loadd(2, c[r + kTileRows] + j * kBlock, kStride);
+          _tile_loadd(3, c[r + kTileRows] + (j + 1) * kBlock, kStride);
+        }
+        for (int64_t b = 0; b < chunk; ++b) {
+          _tile_loadd(4, a0 + b * kBlockK, lda * 2);
+          _tile_loadd(5, a0 + kTileRows * lda + b * kBlockK, lda * 2);
+          _tile_loadd(6, tiles[b][j], 64);
+          _tile_loadd(7, tiles[b][j + 1], 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c[r] + j * kBlock, kStride);
+        _tile_stored(1, c[r] + (j + 1) * kBlock, kStride);
+        _tile_stored(2, c[r + kTileRows] + j * kBlock, kStride);
+        _tile_stored(3, c[r + kTileRows] + (j + 1) * kBlock, kStride);
+      }
+    }
+    memory_barrier();
+  }
+}
+
 inline void amx_release() { _tile_release(); }
 #else
 constexpr bool kBuiltWithAmx = false;
@@ -160,6 +218,10 @@ void amx_tile_blocks(const uint16_t*, int64_t, const uint8_t*, int64_t, float (*
 }
 template <int Bits>
 void amx_tile_blocks_two(const uint16_t*, int64_t, const uint8_t*, int64_t, float (*)[kNB * kBlock]) {
+  TORCH_CHECK(false, "amx_tile_blocks: built without AMX");
+}
+template <int Bits>
+void amx_tile_blocks_many(const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t, float (*)[kNB * kBlock]) {
   TORCH_CHECK(false, "amx_tile_blocks: built without AMX");
 }
 inline void amx_release() {}

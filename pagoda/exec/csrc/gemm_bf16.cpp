@@ -126,10 +126,18 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t n, at::Scalar
 
 // The few rows of x against the same weights kept in GGUF blocks (block_tile.h), q [ceil(N/64), K/32,
 // block_bytes]: one task a column block, each thread a contiguous range of them. `amx`: on AMX tiles
-// (amx_blocks.h: oneDNN's bits, up to kAmxRowsMax rows), else as our GEMM sums (up to kBlockRowsMax).
-void gemm_blocks(const torch::Tensor& x, const torch::Tensor& q, const std::vector<float>& b, int64_t n,
+// (amx_blocks.h: oneDNN's bits up to kAmxRowsMax rows; up to kAmxManyRowsMax on a zero-padded copy
+// of x), else as our GEMM sums (up to kBlockRowsMax).
+void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::vector<float>& b, int64_t n,
                  torch::Tensor& y, bool amx = false) {
-  const int64_t m = x.size(0), k = x.size(1), tasks = q.size(0), stride = q.size(1) * q.size(2);
+  const int64_t m = x_in.size(0), k = x_in.size(1), tasks = q.size(0), stride = q.size(1) * q.size(2);
+  const bool many = amx && m > kAmxRowsMax;
+  const int64_t padded = many ? (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows) : m;
+  torch::Tensor x = x_in;
+  if (many) {
+    x = torch::zeros({padded, k}, x_in.options());
+    x.narrow(0, 0, m).copy_(x_in);
+  }
   const int bits = block_bits(q.size(2));
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint8_t* qp = q.data_ptr<uint8_t>();
@@ -138,18 +146,23 @@ void gemm_blocks(const torch::Tensor& x, const torch::Tensor& q, const std::vect
 #pragma omp parallel num_threads(threads)
   {
     const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
-    alignas(64) float c[kAmxRowsMax][kCols];
+    alignas(64) float few[kAmxRowsMax][kCols];
+    std::vector<float> more(many ? padded * kCols : 0);
+    auto* c = many ? reinterpret_cast<float(*)[kCols]>(more.data()) : few;
     const uint16_t* a[kBlockRowsMax];
     for (int i = 0; i < m && !amx; ++i) a[i] = xp + i * x.stride(0);
-    if (amx) amx_configure(static_cast<int>(m));
+    if (amx) amx_configure(static_cast<int>(std::min<int64_t>(m, kAmxRowsMax + 1)));
     for (int64_t t = tasks * th / nt; t < tasks * (th + 1) / nt; ++t) {
-      if (amx && m > kTileRows) {
-        if (bits == 4) amx_tile_blocks_two<4>(xp, x.stride(0), qp + t * stride, k, c);
-        else amx_tile_blocks_two<8>(xp, x.stride(0), qp + t * stride, k, c);
-      } else if (amx && bits == 4) amx_tile_blocks<4>(xp, x.stride(0), qp + t * stride, k, c);
-      else if (amx) amx_tile_blocks<8>(xp, x.stride(0), qp + t * stride, k, c);
-      else if (bits == 4) tile_blocks_rows<4>(static_cast<int>(m), a, qp + t * stride, k, c);
-      else tile_blocks_rows<8>(static_cast<int>(m), a, qp + t * stride, k, c);
+      const uint8_t* w = qp + t * stride;
+      if (many && bits == 4) amx_tile_blocks_many<4>(xp, k, padded, w, k, c);
+      else if (many) amx_tile_blocks_many<8>(xp, k, padded, w, k, c);
+      else if (amx && m > kTileRows) {
+        if (bits == 4) amx_tile_blocks_two<4>(xp, x.stride(0), w, k, c);
+        else amx_tile_blocks_two<8>(xp, x.stride(0), w, k, c);
+      } else if (amx && bits == 4) amx_tile_blocks<4>(xp, x.stride(0), w, k, c);
+      else if (amx) amx_tile_blocks<8>(xp, x.stride(0), w, k, c);
+      else if (bits == 4) tile_blocks_rows<4>(static_cast<int>(m), a, w, k, c);
+      else tile_blocks_rows<8>(static_cast<int>(m), a, w, k, c);
       const int64_t cols = std::min<int64_t>(kCols, n - t * kCols);
       for (int i = 0; i < m; ++i)
         store_row(c[i], cols, nullptr, b.empty() ? nullptr : b.data() + t * kCols, yp + i * n + t * kCols);
@@ -209,12 +222,13 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Op
 
 // x [M, K] bf16 against weights kept in GGUF blocks q alone: where oneDNN has AMX, the bf16 linears
 // are oneDNN's, and a few of their rows read the blocks (exec/cpu_linear.py). `tiles`: on AMX tiles,
-// rounding as oneDNN does, up to amx_block_rows() rows; else as our GEMM does, up to kBlockRowsMax.
+// rounding as oneDNN does up to amx_block_rows() rows, and up to kAmxManyRowsMax summing k in order
+// (as oneDNN does for 16 rows); else as our GEMM does, up to kBlockRowsMax.
 torch::Tensor gemm_bf16_blocks(const torch::Tensor& x, const torch::Tensor& q, const Opt& bias, int64_t n,
                                bool tiles) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16, rows contiguous");
   TORCH_CHECK(!tiles || amx_block_rows() > 0, "gemm_bf16: built without AMX tiles, or not let use them");
-  const int64_t rows = tiles ? kAmxRowsMax : kBlockRowsMax;
+  const int64_t rows = tiles ? kAmxManyRowsMax : kBlockRowsMax;
   TORCH_CHECK(x.size(0) <= rows && built_with_avx512_bf16(), "gemm_bf16: blocks serve at most ", rows,
               " rows, with AVX512-BF16");
   check_blocks(x, q, n);
@@ -286,6 +300,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocks_widen_to", &blocks_widen_to, py::arg("q"), py::arg("w"));
   m.attr("BLOCK_ROWS_MAX") = kBlockRowsMax;
   m.def("amx_block_rows", &amx_block_rows);
+  m.attr("AMX_ROWS_MAX") = kAmxManyRowsMax;
   m.def("has_avx512_bf16", &pagoda_bf16::built_with_avx512_bf16);
   // For the fused decode step (exec/csrc/fused_decode.cpp), which calls it from C++.
   m.def("_addresses", [] {
