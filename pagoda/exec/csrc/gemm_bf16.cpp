@@ -125,9 +125,10 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t n, at::Scalar
 }
 
 // The few rows of x against the same weights kept in GGUF blocks (block_tile.h), q [ceil(N/64), K/32,
-// block_bytes]: one task a column block, each thread a contiguous range of them. `amx`: on AMX tiles
-// (amx_blocks.h: oneDNN's bits up to kAmxRowsMax rows; up to kAmxManyRowsMax on a zero-padded copy
-// of x), else as our GEMM sums (up to kBlockRowsMax).
+// block_bytes]: one task a column block, each thread a contiguous range of them, then the back of
+// another's (balanced_for.h's Ranges). `amx`: on AMX tiles (amx_blocks.h: oneDNN's bits up to
+// kAmxRowsMax rows; up to kAmxManyRowsMax on a zero-padded copy of x), else as our GEMM sums (up to
+// kBlockRowsMax).
 void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::vector<float>& b, int64_t n,
                  torch::Tensor& y, bool amx = false) {
   const int64_t m = x_in.size(0), k = x_in.size(1), tasks = q.size(0), stride = q.size(1) * q.size(2);
@@ -143,16 +144,19 @@ void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::v
   const uint8_t* qp = q.data_ptr<uint8_t>();
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+  // Each thread its contiguous range, then the back of another's (balanced_for.h): a thread held up
+  // (the server's API process on its core) costs the step its lost time once, not twice.
+  pagoda_split::Ranges ranges = pagoda_split::Ranges::even(tasks, threads);
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+    const int64_t th = omp_get_thread_num();
     alignas(64) float few[kAmxRowsMax][kCols];
     std::vector<float> more(many ? padded * kCols : 0);
     auto* c = many ? reinterpret_cast<float(*)[kCols]>(more.data()) : few;
     const uint16_t* a[kBlockRowsMax];
     for (int i = 0; i < m && !amx; ++i) a[i] = xp + i * x.stride(0);
     if (amx) amx_configure(static_cast<int>(std::min<int64_t>(m, kAmxRowsMax + 1)));
-    for (int64_t t = tasks * th / nt; t < tasks * (th + 1) / nt; ++t) {
+    for (int64_t t; (t = ranges.take(th)) >= 0;) {
       const uint8_t* w = qp + t * stride;
       if (many && bits == 4) amx_tile_blocks_many<4>(xp, k, padded, w, k, c);
       else if (many) amx_tile_blocks_many<8>(xp, k, padded, w, k, c);
