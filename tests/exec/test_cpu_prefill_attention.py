@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.exec.cpu_kernels import load_prefill_attention
+from pagoda.exec.cpu_kernels import load_gemm_bf16, load_prefill_attention
 from pagoda.exec.paged_attention import PagedKVCache, TorchPagedAttention, causal_sdpa
 
 kernel = load_prefill_attention()
@@ -67,14 +67,15 @@ def test_equals_causal_sdpa(n, seq_len, hq, hkv, d):
     [(7, 7, 9, 3, 64), (33, 33, 4, 1, 32), (272, 272, 9, 3, 64), (1, 300, 9, 3, 64), (50, 110, 8, 2, 128),
      (100, 613, 6, 3, 48), (20, 90, 2, 2, 16), (40, 8192, 8, 4, 128)],
 )
-def test_bf16_is_the_float32_attention_within_its_roundings(n, seq_len, hq, hkv, d):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_bf16_is_the_float32_attention_within_its_roundings(n, seq_len, hq, hkv, d, tiles):
     """bf16 in, bf16 out: the float32 attention over the bf16 values within one rounding of the
-    output and of each probability, on the vdpbf16ps path (head sizes of whole 32s) and the widened
-    one (48, 16)."""
+    output and of each probability, on AMX tiles where the CPU has them (`tiles`), the vdpbf16ps
+    path (head sizes of whole 32s) and the widened one (48, 16)."""
     g = torch.Generator().manual_seed(n * 1000 + seq_len + 7)
     q, k, v = (t.bfloat16() for t in _fused_qkv(n, seq_len, hq, hkv, d, g))
     scale = d**-0.5
-    got = kernel.prefill_attention(q, k, v, scale)
+    got = kernel.prefill_attention(q, k, v, scale, tiles=tiles)
     assert got.shape == (n, hq, d)
     _assert_bf16_attention(got, causal_sdpa(q.float(), k.float(), v.float(), scale),
                            causal_sdpa(q.float(), k.float(), v.float().abs(), scale))
@@ -104,9 +105,9 @@ def _attention_over_visible_keys(q, k, v, scale):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,tiles", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("n,seq_len", [(70, 70), (70, 200)])
-def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len, dtype):
+def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len, dtype, tiles):
     """NaN and +inf scores make their rows NaN and a -inf score weighs 0, as torch's softmax has it;
     a key past a query's position contributes nothing to it, even a NaN value (causal SDPA lets that
     NaN into every row of the block: 0 * NaN)."""
@@ -125,7 +126,7 @@ def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len, dtype):
     q[20, 3, 2] = float("nan")  # one query head of one row
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     want = _attention_over_visible_keys(q, k, v, d**-0.5)
-    got = kernel.prefill_attention(q, k, v, d**-0.5)
+    got = kernel.prefill_attention(q, k, v, d**-0.5, tiles=tiles)
     nan_rows = want.isnan().any(-1)  # [n, Hq]
     assert nan_rows[:, :2].nonzero()[:, 0].unique().tolist() == list(range(40, n))
     assert nan_rows[:, 2:].nonzero()[:, 0].unique().tolist() == [20, *range(60, n)]
@@ -135,7 +136,7 @@ def test_inf_and_nan_equal_attention_over_each_querys_keys(n, seq_len, dtype):
         _assert_bf16_attention(got, want, _attention_over_visible_keys(q, k, v.abs(), d**-0.5))
     # Every score -inf (each key's dim 0): no weight left, NaN, as torch's softmax gives.
     k[:, 1, 0] = float("-inf")
-    assert kernel.prefill_attention(q, k, v, d**-0.5)[:, 2:].isnan().all()
+    assert kernel.prefill_attention(q, k, v, d**-0.5, tiles=tiles)[:, 2:].isnan().all()
 
 
 def test_bad_inputs_are_refused_with_a_message():
@@ -188,3 +189,30 @@ def test_bf16_prefill_depends_only_on_the_keys_each_position_sees():
         assert torch.equal(part, whole[:n])
     _assert_bf16_attention(whole, causal_sdpa(q.float(), k.float(), v.float(), 0.125),
                            causal_sdpa(q.float(), k.float(), v.float().abs(), 0.125))
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+def test_bf16_kernel_rows_depend_only_on_the_keys_they_see(tiles):
+    """Both bf16 kernels (AMX tiles where the CPU has them, and vdpbf16ps): a prompt's rows are the
+    same bits whether more tokens follow or not, and a chunk over earlier context gives the rows the
+    whole prompt gives them."""
+    g = torch.Generator().manual_seed(8)
+    seq_len = 300
+    q, k, v = (t.to(torch.bfloat16) for t in _fused_qkv(seq_len, seq_len, 9, 3, 64, g))
+    whole = kernel.prefill_attention(q, k, v, 0.125, tiles=tiles)
+    for n in (5, 31, 40, 129, 290):
+        assert torch.equal(kernel.prefill_attention(q[:n], k[:n], v[:n], 0.125, tiles=tiles), whole[:n])
+    for start, end in ((100, 164), (37, 300)):  # a chunk of queries over the keys before it
+        chunk = kernel.prefill_attention(q[start:end], k[:end], v[:end], 0.125, tiles=tiles)
+        assert torch.equal(chunk, whole[start:end])
+
+
+@pytest.mark.skipif(not load_gemm_bf16() or not load_gemm_bf16().amx_block_rows(), reason="no AMX tiles here")
+def test_on_amx_bf16_prefill_runs_on_the_tiles():
+    """Where the CPU has AMX, bf16 prefill takes the tiles (their sums round otherwise than vdpbf16ps',
+    so some outputs differ from the vdpbf16ps kernel's, each within bf16's roundings)."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (t.bfloat16() for t in _fused_qkv(272, 272, 9, 3, 64, g))
+    tiles, vdp = (kernel.prefill_attention(q, k, v, 0.125, tiles=t) for t in (True, False))
+    assert torch.equal(kernel.prefill_attention(q, k, v, 0.125), tiles)
+    assert not torch.equal(tiles, vdp)

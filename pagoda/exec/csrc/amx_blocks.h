@@ -207,11 +207,15 @@ void amx_tile_blocks_many(const uint16_t* a, int64_t lda, int64_t rows, const ui
   }
 }
 
+// Every tile 16 rows of 64 bytes (prefill_amx.h).
+inline void amx_configure_full() { amx_configure(kAmxRowsMax + 1); }
+
 inline void amx_release() { _tile_release(); }
 #else
 constexpr bool kBuiltWithAmx = false;
 inline bool amx_permitted() { return false; }
 inline void amx_configure(int) {}
+inline void amx_configure_full() {}
 template <int Bits>
 void amx_tile_blocks(const uint16_t*, int64_t, const uint8_t*, int64_t, float (*)[kNB * kBlock]) {
   TORCH_CHECK(false, "amx_tile_blocks: built without AMX");

@@ -16,7 +16,7 @@
 // flash attention and transformers' eager attention do for a bf16 model) against V packed in that
 // kernel's task layout, at twice the rate of float32 FMAs. The running max, the sums and the
 // output stay float32 until the one rounding of the output. Those bf16 operands live in
-// prefill_bf16.h.
+// prefill_bf16.h; where the CPU has AMX, the same two GEMMs run on its tiles (prefill_amx.h).
 //
 // inf and NaN go through as in exact arithmetic over each query's visible keys (built without
 // -ffast-math; see vec_math.h): a NaN or +inf score makes its row NaN and a -inf score weighs 0, as
@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "f32_tile.h"
+#include "prefill_amx.h"
 #include "prefill_bf16.h"
 #include "vec_math.h"
 
@@ -48,6 +49,10 @@ using pagoda_prefill::correct;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 using pagoda_prefill::Bf16Scores;
 using pagoda_prefill::Bf16Values;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+using pagoda_prefill::AmxScores;
+using pagoda_prefill::AmxValues;
 #endif
 
 constexpr int64_t BQ = 32;  // query positions per work item (times G query heads)
@@ -219,9 +224,10 @@ void run(const T* qp, const T* kp, const T* vp, T* op, int64_t n, int64_t Hq, in
 
 // q [n, Hq, D], k and v [S, Hkv, D] (any strides but a contiguous head_dim), n <= S, all float32 or
 // all bf16; query i sits at position S - n + i and attends keys 0..S - n + i. Returns [n, Hq, D] in
-// the inputs' dtype. bf16 takes vdpbf16ps for the scores where the CPU has AVX512-BF16 and D % 32
-// == 0, and is widened to float32 (the output rounded once) elsewhere.
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+// the inputs' dtype. bf16 takes AMX tiles for both GEMMs where the CPU has them and `tiles` allows
+// (prefill_amx.h), else vdpbf16ps where the CPU has AVX512-BF16, with D % 32 == 0; elsewhere it is
+// widened to float32 (the output rounded once).
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, bool tiles) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && k.scalar_type() == dtype &&
                   v.scalar_type() == dtype,
@@ -238,13 +244,20 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
     if (D % 32 == 0) {
       auto out = torch::empty({n, Hq, D}, q.options());
       const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
-      run<uint16_t, Bf16Scores, Bf16Values>(bits(q), bits(k), bits(v), reinterpret_cast<uint16_t*>(out.data_ptr()), n, Hq, D, S,
-                                Hkv, q.stride(0), k.stride(0), v.stride(0), q.stride(1), k.stride(1), v.stride(1),
-                                fscale);
+      auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (tiles && pagoda_bf16::amx_permitted()) {
+        run<uint16_t, AmxScores, AmxValues>(bits(q), bits(k), bits(v), o, n, Hq, D, S, Hkv, q.stride(0), k.stride(0),
+                                            v.stride(0), q.stride(1), k.stride(1), v.stride(1), fscale);
+        return out;
+      }
+#endif
+      run<uint16_t, Bf16Scores, Bf16Values>(bits(q), bits(k), bits(v), o, n, Hq, D, S, Hkv, q.stride(0), k.stride(0),
+                                            v.stride(0), q.stride(1), k.stride(1), v.stride(1), fscale);
       return out;
     }
 #endif
-    return prefill_attention(q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32), scale)
+    return attention(q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32), scale, tiles)
         .to(torch::kBFloat16);
   }
   auto out = torch::empty({n, Hq, D}, q.options());
@@ -254,8 +267,14 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   return out;
 }
 
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  return attention(std::move(q), std::move(k), std::move(v), scale, true);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prefill_attention", &prefill_attention);
+  // `tiles` False: the vdpbf16ps kernel where AMX would serve (the two kernels' bits differ; tests).
+  m.def("prefill_attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
+        py::arg("tiles") = true);
   // For the fused CPU step (exec/csrc/fused_decode.cpp), which calls it from C++ for a lone prompt's step.
   m.def("_addresses", [] {
     return std::map<std::string, int64_t>{{"prefill_attention", reinterpret_cast<int64_t>(&prefill_attention)}};

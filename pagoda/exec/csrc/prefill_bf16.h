@@ -150,6 +150,17 @@ struct Bf16Values {
   // A pair of keys goes into one vdpbf16ps: the pair that straddles all_see would let 0 * (a
   // non-finite value) in, so the GEMM stops at the pair boundary below it.
   static int64_t gemm_keys(int64_t all_see) { return all_see & ~int64_t{1}; }
+  // o = o * corr + c over cols columns (a multiple of 16): two roundings (the product, then the sum),
+  // as when O was corrected before its sums; the barrier keeps the compiler from contracting them
+  // into one FMA.
+  static void add_corrected(float* o, float corr, const float* c, int64_t cols) {
+    const __m512 f = _mm512_set1_ps(corr);
+    for (int64_t d = 0; d < cols; d += 16) {
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + d), f);
+      asm("" : "+v"(x));
+      _mm512_storeu_ps(o + d, _mm512_add_ps(x, _mm512_loadu_ps(c + d)));
+    }
+  }
   struct Scratch {
     std::vector<uint16_t> pb;  // a row block's probabilities in bf16, [rows][BK]
     float c[pagoda_bf16::kMR][kCols];  // one pass's sums
@@ -178,17 +189,7 @@ struct Bf16Values {
         const uint16_t* a[pagoda_bf16::kMR];
         for (int i = 0; i < m; ++i) a[i] = &pb[(r + i) * BK];
         pagoda_bf16::tile_rows<false>(m, a, task(h, kb, t), k2, c);
-        // The correction in the same pass: two roundings (the product, then the sum), as when O was
-        // corrected before; the barrier keeps the compiler from contracting them into one FMA.
-        for (int i = 0; i < m; ++i) {
-          float* o = O + (r + i) * D + t * kCols;
-          const __m512 f = _mm512_set1_ps(corr[r + i]);
-          for (int64_t d = 0; d < cols; d += 16) {  // cols: a multiple of 32 (D % 32 == 0 here)
-            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + d), f);
-            asm("" : "+v"(x));
-            _mm512_storeu_ps(o + d, _mm512_add_ps(x, _mm512_loadu_ps(&c[i][d])));
-          }
-        }
+        for (int i = 0; i < m; ++i) add_corrected(O + (r + i) * D + t * kCols, corr[r + i], c[i], cols);
         r += m;
       }
     }
