@@ -2,9 +2,10 @@
 //
 // Why: where oneDNN has AMX, the bf16 linears are oneDNN's, and up to 32 rows (SmolLM2's shapes, 2
 // threads) it sums each output over k in order, 32 at a time with TDPBF16PS, from zero, then rounds
-// to bf16 once (above that it splits k in parts, two for K = 576, three or four for 1,536, and adds them). TDPBF16PS rounds inside a pair
-// of k otherwise than VDPBF16PS (~80 % of float32 sums differ), so block_tile.h's kernel cannot give
-// oneDNN's bits; this one, the same TDPBF16PS over the same k order, does, value for value
+// to bf16 once (above that it splits k in parts, two for K = 576, three or four for 1,536, and adds
+// them). TDPBF16PS rounds inside a pair of k otherwise than VDPBF16PS (~80 % of float32 sums
+// differ), so block_tile.h's kernel cannot give oneDNN's bits; this one, the same TDPBF16PS over the
+// same k order, does, value for value
 // (tests/exec/test_gguf_block_linears.py). A prompt's rows may then read the blocks as a decode's do: a
 // position rounds alike whether its step reads the blocks or the bf16 copy.
 //
@@ -155,8 +156,8 @@ void amx_tile_blocks_two(const uint16_t* a, int64_t lda, const uint8_t* w, int64
 }
 
 // The same for any rows, padded to a multiple of 32 (a's rows past the caller's are zeros; c has as
-// many rows): k in chunks of kManyChunk blocks, each chunk's blocks widened once into this thread's
-// scratch, then a pass over the chunk per (32 rows, two blocks) as in amx_tile_blocks_two, the sums
+// many rows): k in chunks of kManyChunk blocks, each chunk's blocks widened once into a buffer on
+// the stack, then a pass over the chunk per (32 rows, two blocks) as in amx_tile_blocks_two, the sums
 // kept in c between chunks (a float32 store and load is exact: the sums are those of one pass). k in
 // order from zero, so a row's sums are those of the kernels above; oneDNN splits k from 33 rows, so
 // these rows round otherwise than oneDNN's (a step of decodes may: exec/cpu_linear.py, block_rows).

@@ -20,7 +20,6 @@
 namespace pagoda_prefill {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr bool kPrefillAmx = true;
 constexpr int64_t kTile = pagoda_bf16::kTileRows;
 
 // Tiles 0-3 += tile 4 (16 rows of 32 bf16) times the four B tiles of 16 columns at b, b + 32, b +
@@ -130,8 +129,6 @@ struct AmxValues : Bf16Values {
     }
   }
 };
-#else
-constexpr bool kPrefillAmx = false;
 #endif
 
 }  // namespace pagoda_prefill
