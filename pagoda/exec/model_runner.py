@@ -104,9 +104,9 @@ class ModelRunner:
         self._forget(request_ids)
 
     def _decodes_only(self, order: list[ScheduledRequest]) -> bool:
-        """Whether no row of the step is a prompt's (a few rows may then read a linear's GGUF blocks
-        rounding as our kernel does, not as oneDNN: cpu_linear.decode_step); asked only of the few
-        requests such a step can have."""
+        """Whether no row of the step is a prompt's (its rows may then read a linear's GGUF blocks
+        rounding apart from oneDNN: cpu_linear.decode_step, block_rows); asked only of as many
+        requests as such a step reads the blocks for."""
         states = self.requests
         return len(order) <= decode_block_rows() and all(
             s.num_computed_tokens >= len(states[s.request_id].prompt_token_ids) for s in order)
