@@ -261,7 +261,7 @@ def block_rows() -> tuple[int, int]:
     exact = exact_block_rows()
     if not _decodes.get():
         return exact, 0
-    return (DECODE_TILE_ROWS, DECODE_ROWS_OURS) if exact else (BLOCK_ROWS, BLOCK_ROWS)
+    return decode_block_rows(), DECODE_ROWS_OURS if exact else BLOCK_ROWS
 
 
 def decode_block_rows() -> int:

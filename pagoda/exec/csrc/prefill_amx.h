@@ -61,10 +61,7 @@ struct AmxScores {
         add_four_blocks(kt + 16 * s * BK * 2, BK * 4);  // pairs 16s.., a row of BK pairs
       }
       float* out = rows - r >= kTile ? Sc + r * BK : last_[0];
-      _tile_stored(0, out, kRow);
-      _tile_stored(1, out + 16, kRow);
-      _tile_stored(2, out + 32, kRow);
-      _tile_stored(3, out + 48, kRow);
+      pagoda_bf16::store_sums(out, kRow);
       pagoda_bf16::memory_barrier();
       if (out == last_[0]) std::memcpy(Sc + r * BK, last_[0], (rows - r) * kRow);
     }
@@ -119,10 +116,7 @@ struct AmxValues : Bf16Values {
           add_four_blocks(values_from(h, kb, t, j, keys, scratch), kCols * 4);  // key pairs j/2.., 64 columns' a row
         }
         auto* c = scratch.c;
-        _tile_stored(0, c[0], kCols * 4);
-        _tile_stored(1, c[0] + 16, kCols * 4);
-        _tile_stored(2, c[0] + 32, kCols * 4);
-        _tile_stored(3, c[0] + 48, kCols * 4);
+        pagoda_bf16::store_sums(c[0], kCols * 4);
         pagoda_bf16::memory_barrier();
         for (int64_t i = 0; i < std::min(kTile, rows - r); ++i) add_corrected(O + (r + i) * D + t * kCols, corr[r + i], c[i], cols);
       }
