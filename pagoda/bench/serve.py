@@ -81,7 +81,7 @@ async def discover_model(session: Any, base_url: str) -> str:
     try:
         async with session.get(f"{_base(base_url)}/v1/models") as resp:
             resp.raise_for_status()
-            return (await resp.json())["data"][0]["id"]
+            return (await resp.json(content_type=None))["data"][0]["id"]  # whatever its Content-Type
     except Exception as exc:
         raise BenchError(f"could not list models at {base_url}/v1/models ({exc!r}); pass --model") from None
 
