@@ -11,6 +11,7 @@ requests in flight are aborted, each with its error response."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -33,6 +34,15 @@ _HARD_EXIT_AFTER_S = 10.0  # after an exit was requested, stop waiting for conne
 
 def _note_signal(signum: int, frame: object) -> None:
     logger.info("stopped by signal %d", signum)
+
+
+def freeze_startup_heap() -> None:
+    """Leave what the process holds once ready (torch, the tokenizer, the app and their objects)
+    out of the garbage collector's oldest generation. A full collection walked all of it, ~0.1 s
+    of the API's CPU on a 2-core machine in the middle of a streamed batch, every stream stalled
+    meanwhile; now it walks what requests allocate. (vLLM's server does the same.)"""
+    gc.collect()
+    gc.freeze()
 
 
 def make_state(
@@ -116,6 +126,7 @@ def run_server(
         **uvicorn_kwargs,
     )
     server = _DrainingServer(config, state, drain_timeout)
+    state.on_ready.append(freeze_startup_heap)
 
     def request_exit(code: int) -> None:
         server.should_exit = True

@@ -1,6 +1,6 @@
 """Fast tests of the service layer's parts that need no model: the API keys file, token buckets,
 tenant priorities, request models and the error shape (over HTTP, with no engine behind the app),
-delta merging, a request the engine client cannot send; and `pagoda serve` failing cleanly: exit 2
+delta merging, a request the engine client cannot send, the startup heap frozen once ready; and `pagoda serve` failing cleanly: exit 2
 with one line on stderr for bad arguments, a missing device (before anything starts), and a model or
 KV cache size the engine core cannot start with."""
 
@@ -542,3 +542,28 @@ def test_tool_call_output_parsing():
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"a": "é"}'), ("g", "{}")]
     # Cut short (max_tokens) before the JSON closed: no calls, the caller returns the text as content.
     assert parse_tool_calls("named", named, '{"x": ') is None
+
+
+def test_a_ready_server_leaves_its_startup_heap_out_of_full_collections(monkeypatch):
+    """`run_server` freezes the heap once the engine is ready: a full collection in the middle of a
+    streamed batch walked all of torch's and the tokenizer's objects (~0.1 s, every stream stalled)."""
+    import gc
+    import signal
+
+    from pagoda.serve import server as server_mod
+
+    async def no_serving(self, sockets=None) -> None:
+        return None
+
+    monkeypatch.setattr(server_mod._DrainingServer, "serve", no_serving)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # keep pytest's own handlers
+    state = SimpleNamespace(on_ready=[], exit_code=0)
+    assert server_mod.run_server(state, "127.0.0.1", free_port(), app=object()) == 1  # never started
+    assert server_mod.freeze_startup_heap in state.on_ready
+    before = gc.get_freeze_count()
+    try:
+        for cb in state.on_ready:
+            cb()  # as ServerState does once the engine is up
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
