@@ -1,8 +1,8 @@
 """Fast tests of the service layer's parts that need no model: the API keys file, token buckets,
 tenant priorities, request models and the error shape (over HTTP, with no engine behind the app),
-delta merging, a request the engine client cannot send, the startup heap frozen once ready; and `pagoda serve` failing cleanly: exit 2
-with one line on stderr for bad arguments, a missing device (before anything starts), and a model or
-KV cache size the engine core cannot start with."""
+delta merging, a request the engine client cannot send, the startup heap frozen once ready; and
+`pagoda serve` failing cleanly: exit 2 with one line on stderr for bad arguments, a missing device
+(before anything starts), and a model or KV cache size the engine core cannot start with."""
 
 from __future__ import annotations
 
