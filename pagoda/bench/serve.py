@@ -165,8 +165,10 @@ async def run_load(cfg: ServeConfig, prompts: list[Prompt]) -> tuple[list[Reques
     # fraction of the CPU a pure-Python client spends on each event.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
-        model = cfg.model or await discover_model(client, cfg.base_url)
+    # Lines of up to 2 MiB (twice the read buffer): one event with logprobs may be long, and
+    # aiohttp's default buffer (64 KiB: lines to 128 KiB) refuses such a line.
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as session:
+        model = cfg.model or await discover_model(session, cfg.base_url)
         deadline = time.monotonic() + cfg.ready_timeout_s
         for i in range(cfg.num_warmups):
             # Not measured: a cold server may compile or allocate on its first request. A server
@@ -174,7 +176,7 @@ async def run_load(cfg: ServeConfig, prompts: list[Prompt]) -> tuple[list[Reques
             while True:
                 warm = RequestResult(-1, 0, 4)
                 payload = _payload(cfg, model, prompts[i % len(prompts)].prompt, 4)
-                await stream_completion(client, url, payload, warm, time.perf_counter())
+                await stream_completion(session, url, payload, warm, time.perf_counter())
                 if warm.success:
                     break
                 starting = (warm.error or "").startswith(("HTTP 503", _NOT_CONNECTED))
@@ -192,9 +194,9 @@ async def run_load(cfg: ServeConfig, prompts: list[Prompt]) -> tuple[list[Reques
             result = RequestResult(i, p.prompt_len, cfg.output_len)
             payload = _payload(cfg, model, p.prompt, cfg.output_len)
             if sem is None:
-                return await stream_completion(client, url, payload, result, t0)
+                return await stream_completion(session, url, payload, result, t0)
             async with sem:
-                return await stream_completion(client, url, payload, result, t0)
+                return await stream_completion(session, url, payload, result, t0)
 
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         duration = max((r.end_time for r in results), default=0.0) - min((r.send_time for r in results), default=0.0)
