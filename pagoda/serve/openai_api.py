@@ -66,11 +66,11 @@ def _echo_texts(state: ServerState, prep: Prepared) -> list[str]:
             for p in prep.prompts]
 
 
-def _generated(body: CompletionRequest, seq: CompletionOutput) -> tuple[list[int], list | None, str, str | None, Any]:
+def _generated(echo_only: bool, seq: CompletionOutput) -> tuple[list[int], list | None, str, str | None, Any]:
     """A choice's (token ids, logprobs, text, finish reason, stop reason) as the client sees them:
-    with echo and max_tokens=0 the one token the engine sampled is dropped, and the length limit is
-    what ended the choice."""
-    if body.echo_only:
+    with echo and max_tokens=0 (`echo_only`) the one token the engine sampled is dropped, and the
+    length limit is what ended the choice."""
+    if echo_only:
         return [], [], "", None if seq.finish_reason is None else "length", None
     return seq.token_ids, seq.logprobs, seq.text, seq.finish_reason, seq.stop_reason
 
@@ -100,7 +100,7 @@ async def _completion_whole(state: ServerState, body: CompletionRequest, prep: P
     for i, out in enumerate(finals):
         cached += out.num_cached_tokens
         for seq in out.outputs:
-            token_ids, seq_logprobs, text, reason, stop_reason = _generated(body, seq)
+            token_ids, seq_logprobs, text, reason, stop_reason = _generated(body.echo_only, seq)
             completion_tokens += len(token_ids)
             logprobs = None
             if body.logprobs is not None:
@@ -132,7 +132,7 @@ async def _completion_whole(state: ServerState, body: CompletionRequest, prep: P
 
 
 async def _completion_events(state: ServerState, body: CompletionRequest, prep: Prepared, request_id: str,
-                             streams: list[RequestStream]) -> AsyncIterator[str]:
+                             streams: list[RequestStream]) -> AsyncIterator[bytes]:
     n = prep.params.n
     created = int(time.time())
     echo = _echo_texts(state, prep) if body.echo else None
@@ -142,7 +142,9 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
     prompt_entries: dict[int, list] = {}  # per prompt: its prompt_logprobs, which come with its first delta
     completion_tokens = 0
     cached: dict[int, int] = {}  # per prompt; the usage sums them, as the whole response does
-    include_usage = body.include_usage
+    # Read once: each is a property of the request model, and this loop runs for every token.
+    include_usage, continuous_usage, echo_only = body.include_usage, body.continuous_usage, body.echo_only
+    want_logprobs = body.logprobs is not None
     try:
         async for i, out in merge_streams(streams):
             cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
@@ -152,7 +154,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
                 idx = i * n + seq.index
                 if idx in finished:
                     continue
-                token_ids, seq_logprobs, text, reason, stop_reason = _generated(body, seq)
+                token_ids, seq_logprobs, text, reason, stop_reason = _generated(echo_only, seq)
                 completion_tokens += len(token_ids)
                 prompt = None
                 if echo is not None and idx not in echoed:
@@ -160,10 +162,10 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
                     text = echo[i] + text
                     if body.echo_logprobs:
                         prompt = _echo_logprobs_prompt(state, prep, i, prompt_entries.get(i))
-                if not text and reason is None and (body.logprobs is None or not token_ids):
+                if not text and reason is None and (not want_logprobs or not token_ids):
                     continue  # nothing to show yet (text held back until it is certain)
                 logprobs = None
-                if body.logprobs is not None:
+                if want_logprobs:
                     lp = lp_state.setdefault(idx, CompletionLogprobs(body.logprobs, 0, body.return_tokens_as_token_ids))
                     logprobs = lp.make(token_ids, seq_logprobs, prompt)
                 if reason is not None:
@@ -186,7 +188,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, prep: 
                 }
                 if include_usage:
                     chunk["usage"] = (
-                        usage(prep.num_prompt_tokens, completion_tokens) if body.continuous_usage else None
+                        usage(prep.num_prompt_tokens, completion_tokens) if continuous_usage else None
                     )
                 yield sse(chunk)
         if include_usage:
@@ -291,15 +293,15 @@ async def _chat_whole(body: ChatCompletionRequest, parsers: ChatParsers, prep: P
 
 
 async def _chat_events(body: ChatCompletionRequest, parsers: ChatParsers, prep: Prepared, request_id: str,
-                       streams: list[RequestStream], weight_version: str | None = None) -> AsyncIterator[str]:
+                       streams: list[RequestStream], weight_version: str | None = None) -> AsyncIterator[bytes]:
     created = int(time.time())
-    include_usage = body.include_usage
+    include_usage, continuous_usage = body.include_usage, body.continuous_usage  # read once, not per token
     completion_tokens = 0
     cached = 0
     finished: set[int] = set()
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, reason: str | None = None,
-              stop_reason: Any = None) -> str:
+              stop_reason: Any = None) -> bytes:
         data: dict[str, Any] = {
             "id": request_id,
             "object": "chat.completion.chunk",
@@ -312,7 +314,7 @@ async def _chat_events(body: ChatCompletionRequest, parsers: ChatParsers, prep: 
             ],
         }
         if include_usage:
-            data["usage"] = usage(prep.num_prompt_tokens, completion_tokens) if body.continuous_usage else None
+            data["usage"] = usage(prep.num_prompt_tokens, completion_tokens) if continuous_usage else None
         return sse(data)
 
     held: dict[int, tuple[list, list, list]] = {}  # tool calls: each choice's ids, logprobs and text so far

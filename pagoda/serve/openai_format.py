@@ -7,8 +7,9 @@ objects and their streamed chunks, usage, and logprobs in the two shapes OpenAI 
 
 from __future__ import annotations
 
-import json
 import math
+
+import msgspec
 
 from pagoda.outputs import Logprob
 
@@ -145,8 +146,13 @@ def finish_reason(reason: str | None) -> str | None:
     return reason
 
 
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+_encode = msgspec.json.Encoder().encode
 
 
-SSE_DONE = "data: [DONE]\n\n"
+def sse(data: dict) -> bytes:
+    """One server-sent event: compact UTF-8 JSON. msgspec, not json.dumps: a streamed token's chunk
+    is encoded in ~0.4 us against ~4 (the API process encodes one per token of every stream)."""
+    return b"data: " + _encode(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
