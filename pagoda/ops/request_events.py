@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pagoda.contracts.messages import EngineCoreOutputs
 from pagoda.outputs import RequestOutput
@@ -102,6 +102,9 @@ class RequestSink:
     def on_aborted(self, request_id: str) -> None: ...
 
 
+_EVENTS = tuple(name for name in vars(RequestSink) if name.startswith("on_"))
+
+
 @dataclass
 class _Seq:
     """One sequence of a request (n > 1 has several): its first and latest token times and count."""
@@ -126,22 +129,29 @@ class RequestTracker:
     """Per-request state between the first output and the end; bounded by the requests in flight."""
 
     def __init__(self, sinks: list[Any]) -> None:
-        self.sinks = sinks
+        self.sinks = sinks  # fixed here: each event's handlers are looked up once
         self._live: dict[str, _Live] = {}
+        # Per event, the sinks' bound methods, without RequestSink's empty defaults: some events
+        # come for every token of every stream, so a lookup or a call that does nothing costs.
+        self._handlers: dict[str, list[Callable[..., None]]] = {}
+        for name in _EVENTS:
+            fns = []
+            for sink in sinks:
+                fn = getattr(sink, name, None)
+                if fn is not None and getattr(type(sink), name, None) is not getattr(RequestSink, name):
+                    fns.append(fn)
+            self._handlers[name] = fns
 
     def attach(self, engine: Any) -> None:
         engine.output_listeners.append(self.on_output)
         engine.abort_listeners.append(self.on_abort)
 
     def _emit(self, method: str, *args: Any) -> None:
-        for sink in self.sinks:
-            fn = getattr(sink, method, None)
-            if fn is None:
-                continue
+        for fn in self._handlers[method]:
             try:
                 fn(*args)
             except Exception:
-                logger.exception("request sink %s.%s failed", type(sink).__name__, method)
+                logger.exception("request sink %s.%s failed", type(getattr(fn, "__self__", fn)).__name__, method)
 
     def on_output(self, msg: EngineCoreOutputs, results: list[RequestOutput]) -> None:
         if msg.iteration_tokens:

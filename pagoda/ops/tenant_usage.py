@@ -9,6 +9,8 @@ tokens count too.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter
 
 from pagoda.ops.metrics import OWN_PREFIX as PREFIX
@@ -30,17 +32,19 @@ class TenantUsage(RequestSink):
                                      registry=registry)
         self.generation_tokens = Counter(TENANT_GENERATION_TOKENS, "Generated tokens, by tenant.", labels,
                                          registry=registry)
-        self._tenant_of: dict[str, str] = {}  # live request id -> tenant name
+        # Live request id -> its tenant's generated-token counter (the labelled child, looked up
+        # once a request rather than once a token).
+        self._tenant_of: dict[str, Any] = {}
 
     def on_request_started(self, request_id: str, tenant: str, num_prompt_tokens: int) -> None:
-        self._tenant_of[request_id] = tenant
+        self._tenant_of[request_id] = self.generation_tokens.labels(self.model_name, tenant)
         self.requests.labels(self.model_name, tenant).inc()
         self.prompt_tokens.labels(self.model_name, tenant).inc(num_prompt_tokens)
 
     def on_request_tokens(self, request_id: str, num_tokens: int) -> None:
-        tenant = self._tenant_of.get(request_id)
-        if tenant is not None:
-            self.generation_tokens.labels(self.model_name, tenant).inc(num_tokens)
+        counter = self._tenant_of.get(request_id)
+        if counter is not None:
+            counter.inc(num_tokens)
 
     def on_finished(self, r: FinishedRequest) -> None:
         self._tenant_of.pop(r.request_id, None)
