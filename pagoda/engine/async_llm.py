@@ -201,9 +201,7 @@ class AsyncLLM(WeightLifecycleCalls):
                 state = self._requests.get(result.request_id)
                 if state is None or result.request_id in failed:
                     continue
-                if result.finished:
-                    state.finished = True
-                state.queue.put_nowait(result)
+                state.deliver(result)
         for listener in self.output_listeners:
             try:
                 listener(msg, results)
@@ -293,8 +291,10 @@ class AsyncLLM(WeightLifecycleCalls):
         priority: int = 0,
         timeout: float | None = None,
         session: str | None = None,
+        final_only: bool = False,
     ) -> RequestStream:
-        """Check and send a request; returns its stream of delta outputs. (`session`: replicas' routing key.)
+        """Check and send a request; returns its stream of delta outputs. (`session`: replicas' routing key;
+        `final_only`: the stream yields one output, the whole of it, when the request ends.)
 
         `prompt` may be what `process_inputs_async` returned for these params: it is then sent as is.
         Raises InvalidRequestError for a bad request (nothing reaches the core), EngineDeadError,
@@ -308,7 +308,7 @@ class AsyncLLM(WeightLifecycleCalls):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         processed = self.input_processor.ensure_processed(prompt, params)
         prompt_ids = processed.prompt_token_ids
-        state = RequestState(request_id, params.n)
+        state = RequestState(request_id, params.n, final_only=final_only)
         self._requests[request_id] = state
         sent = 0
         try:

@@ -290,7 +290,7 @@ class DataParallelLLM:
 
     async def add_request(self, prompt: Prompt | ProcessedPrompt, params: SamplingParams,
                           request_id: str | None = None, priority: int = 0, timeout: float | None = None,
-                          session: str | None = None) -> FailoverStream:
+                          session: str | None = None, final_only: bool = False) -> FailoverStream:
         """Route and send a request (see AsyncLLM.add_request); its stream moves to another replica
         if its replica dies before it yielded anything."""
         engine = self._first()
@@ -311,7 +311,8 @@ class DataParallelLLM:
                         decision.replica, decision.policy, decision.reason, decision.matched_blocks,
                         decision.prompt_blocks, decision.loads, extra={"request_id": request_id})
             replica = self.replicas[decision.replica]
-            stream = await replica.engine.add_request(processed, params, request_id, priority, timeout)
+            stream = await replica.engine.add_request(processed, params, request_id, priority, timeout,
+                                                      final_only=final_only)
             return decision.replica, stream
 
         replica, stream = await submit(set())

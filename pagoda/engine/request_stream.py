@@ -5,7 +5,7 @@ from the core's outputs; closing it early aborts the request (through `AsyncLLM`
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pagoda.engine.errors import RequestTimeoutError
@@ -33,6 +33,13 @@ def merge_delta(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
     return acc
 
 
+def _own_copy(out: RequestOutput) -> RequestOutput:
+    """`out` with its own lists, so that folding later deltas into it leaves `out` as it was."""
+    outputs = [replace(o, token_ids=list(o.token_ids), logprobs=None if o.logprobs is None else list(o.logprobs))
+               for o in out.outputs]
+    return replace(out, outputs=outputs)
+
+
 @dataclass
 class RequestState:
     """What the front end keeps of one request in flight: its queue of outputs and errors."""
@@ -42,6 +49,23 @@ class RequestState:
     child_ids: list[str] = field(default_factory=list)  # its sequences' ids in the core
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False  # its final output was queued (it ended in the core)
+    # The consumer reads the whole output once, at the end (a response that is not streamed, as
+    # vLLM's FINAL_ONLY): its deltas are folded here rather than queued, which spares a wake-up of
+    # its consumer every step.
+    final_only: bool = False
+    _folded: RequestOutput | None = None
+
+    def deliver(self, out: RequestOutput) -> None:
+        """Hand one step's delta output to the consumer (a final-only request's: at its end)."""
+        if self.final_only:
+            # A copy: the output listeners see each step's delta as it came.
+            self._folded = _own_copy(out) if self._folded is None else merge_delta(self._folded, out)
+            if not out.finished:
+                return
+            out, self._folded = self._folded, None
+        if out.finished:
+            self.finished = True
+        self.queue.put_nowait(out)
 
 
 # Called with (request id, whether the request must be aborted in the core) when a stream closes.

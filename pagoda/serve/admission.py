@@ -123,8 +123,9 @@ def admit(state: ServerState, prep: Prepared) -> None:
         )
 
 
-async def start(state: ServerState, prep: Prepared, request_id: str) -> list[RequestStream]:
-    """Send the engine requests (`request_id`, or `request_id-i` for prompt i of several)."""
+async def start(state: ServerState, prep: Prepared, request_id: str, final_only: bool = False) -> list[RequestStream]:
+    """Send the engine requests (`request_id`, or `request_id-i` for prompt i of several);
+    `final_only` for a response that is not streamed (each stream yields its whole output once)."""
     # From here on, log lines written while serving this request carry its id.
     request_id_var.set(request_id)
     logger.debug(
@@ -136,7 +137,7 @@ async def start(state: ServerState, prep: Prepared, request_id: str) -> list[Req
         for i, prompt in enumerate(prep.prompts):
             rid = request_id if len(prep.prompts) == 1 else f"{request_id}-{i}"
             streams.append(await state.engine.add_request(prompt, prep.params, rid, prep.priority,
-                                                          session=prep.session))
+                                                          session=prep.session, final_only=final_only))
             for listener in state.on_request_started:
                 try:
                     listener(rid, prep.tenant.name, len(prompt.prompt_token_ids))

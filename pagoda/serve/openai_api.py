@@ -49,7 +49,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prep.session = session_key(request.headers, body.user)
     admit(state, prep)
     request_id = new_id("cmpl")
-    streams = await start(state, prep, request_id)
+    streams = await start(state, prep, request_id, final_only=not body.stream)
     headers = {"x-request-id": request_id}
     if body.stream:
         headers["x-weight-version"] = await peek_weight_version(streams) or ""
@@ -228,7 +228,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prep.session = session_key(request.headers, body.user)
     admit(state, prep)
     request_id = new_id("chatcmpl")
-    streams = await start(state, prep, request_id)
+    streams = await start(state, prep, request_id, final_only=not body.stream)
     headers = {"x-request-id": request_id}
     if body.stream:
         headers["x-weight-version"] = version = await peek_weight_version(streams) or ""

@@ -325,6 +325,37 @@ def test_closing_a_stream_after_its_request_finished_aborts_nothing(tmp_path):
     asyncio.run(main())
 
 
+def test_a_final_only_request_gets_its_whole_output_once(tmp_path):
+    """A response that is not streamed reads its requests' outputs once, at their end: a final-only
+    request's stream is handed one output, every step's delta folded into it, instead of a wake-up a
+    step; the output listeners (metrics, the request log) still see each step's own delta, untouched
+    by the folding."""
+    from pagoda.contracts.messages import EngineCoreOutput, EngineCoreOutputs
+    from pagoda.sampling_params import SamplingParams
+
+    engine = _stub_engine(tmp_path, lambda kind, payload=b"": None)
+    kept: list[list] = []
+    engine.output_listeners.append(lambda msg, results: kept.append(results))
+    params = SamplingParams(max_tokens=3)
+
+    async def main() -> None:
+        whole = await engine.add_request([1, 2, 3], params, "whole", final_only=True)
+        steps = await engine.add_request([1, 2, 3], params, "steps")
+        for new, reason in (([5], None), ([6], None), ([7], "length")):
+            engine._handle_core_message(EngineCoreOutputs(outputs=[
+                EngineCoreOutput(rid, new, finish_reason=reason) for rid in ("whole", "steps")]))
+            assert whole._state.queue.qsize() == (1 if reason else 0)
+        assert steps._state.queue.qsize() == 3
+        outs = [out async for out in whole]
+        assert len(outs) == 1 and outs[0].finished
+        assert outs[0].outputs[0].token_ids == [5, 6, 7] and outs[0].outputs[0].finish_reason == "length"
+        assert [[r.outputs[0].token_ids for r in results] for results in kept] == [[[5], [5]], [[6], [6]], [[7], [7]]]
+        steps.close()
+        assert engine.num_inflight_requests() == 0
+
+    asyncio.run(main())
+
+
 def test_tokenization_runs_off_the_event_loop(tmp_path):
     """A long prompt takes seconds to tokenize: it must not stall the event loop, which streams every
     other request's tokens. The stand-in tokenizer blocks until the loop itself releases it, which
