@@ -53,7 +53,7 @@ class RequestState:
     # vLLM's FINAL_ONLY): its deltas are folded here rather than queued, which spares a wake-up of
     # its consumer every step.
     final_only: bool = False
-    _folded: RequestOutput | None = None
+    _folded: RequestOutput | None = field(default=None, init=False, repr=False)  # its deltas so far
 
     def deliver(self, out: RequestOutput) -> None:
         """Hand one step's delta output to the consumer (a final-only request's: at its end)."""
