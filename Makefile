@@ -21,13 +21,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Build the C++ CPU kernels (fused layer ops, paged-cache kernels, prefill attention, the bf16 GEMV,
-# the greedy argmax, the quantized matmul, the fused decode step) now rather than on the first
+# the greedy argmax, the quantized matmul, the fused decode step, the thread binding) now rather than on the first
 # request, and again whenever their sources, headers or flags change (pagoda falls back to PyTorch if
 # they cannot be built). The build cache is keyed by the CPU too (pagoda/cpp_build.py): on another CPU the first
 # use builds afresh whatever this stamp says.
 $(KERNELS): $(STAMP) $(wildcard pagoda/*/csrc/*.cpp pagoda/*/csrc/*.h pagoda/csrc/*.h) pagoda/cpp_build.py
 	$(PY) -c "from pagoda.model.cpu_layer_ops import load_layer_ops; load_layer_ops()"
-	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels, load_gemm_bf16, load_gemm_int8, load_greedy, load_moe_experts, load_prefill_attention; load_cpu_kernels(); load_prefill_attention(); load_gemm_bf16(); load_gemm_int8(); load_moe_experts(); load_greedy()"
+	$(PY) -c "from pagoda.exec.cpu_kernels import load_cpu_kernels, load_gemm_bf16, load_gemm_int8, load_greedy, load_moe_experts, load_prefill_attention, load_thread_binding; load_cpu_kernels(); load_prefill_attention(); load_gemm_bf16(); load_gemm_int8(); load_moe_experts(); load_greedy(); load_thread_binding()"
 	$(PY) -c "from pagoda.exec.quant_linear import load_quant_kernels; from pagoda.exec.fused_decode import load_fused_decode; load_quant_kernels(); load_fused_decode()"
 	touch $(KERNELS)
 

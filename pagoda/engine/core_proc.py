@@ -85,11 +85,19 @@ class EngineCoreProc:
     def load(self) -> None:
         from pagoda.engine.core import EngineCore
         from pagoda.engine.devices import share_cpu_threads
+        from pagoda.exec.cpu_threads import bind_engine_threads, check_threads_bind
+        from pagoda.exec.executor import resolve_backend
 
-        if not str(self.args.device).startswith("cuda"):
-            share_cpu_threads(self.args.data_parallel_size)
-        self.core = EngineCore(self.args)
+        args = self.args
+        if not str(args.device).startswith("cuda"):
+            share_cpu_threads(args.data_parallel_size)
+        backend = resolve_backend(args.distributed_executor_backend, args.tensor_parallel_size * args.pipeline_parallel_size)
+        single_rank = args.data_parallel_size == 1 and backend == "uni"
+        check_threads_bind(single_rank)
+        self.core = EngineCore(args)
         core = self.core
+        if single_rank and core.device.type == "cpu":
+            bind_engine_threads()
         core.record_iteration_tokens = True
         core.kv_manager.block_pool.record_events()
         dtype = str(core.loaded.dtype).removeprefix("torch.")

@@ -46,3 +46,9 @@ def load_gemm_bf16():
 def load_greedy():
     """The compiled module (`argmax_rows`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
     return build_cpu_extension("pagoda_greedy", _CSRC / "greedy.cpp", "CPU greedy argmax")
+
+
+@lru_cache(maxsize=1)
+def load_thread_binding():
+    """The compiled module (`bind_threads`, `thread_cpus`), or None when it cannot be built (or PAGODA_NO_CPP=1)."""
+    return build_cpu_extension("pagoda_thread_binding", _CSRC / "thread_binding.cpp", "CPU thread binding")

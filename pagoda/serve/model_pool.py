@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -120,6 +121,15 @@ class ModelPool:
                 except asyncio.TimeoutError:
                     pass
 
+    def _member_env(self) -> dict[str, str]:
+        """Several loaded members' engine cores would each bind their threads to the same CPUs
+        (pagoda.exec.cpu_threads), where two busy ones should rather be left to the OS: unless the
+        user chose a binding, members leave theirs unbound when more than one can be loaded."""
+        env = dict(os.environ)
+        if self.max_loaded > 1:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        return env
+
     async def _start(self, m: PoolMember) -> None:
         t0 = time.monotonic()
         m.state, m.port = "loading", _free_port()
@@ -128,7 +138,7 @@ class ModelPool:
         logger.info("loading model %s (%s) on port %d", m.name, m.model, m.port)
         # In this process's group: whatever stops the whole server (a terminal's Ctrl-C, a supervisor
         # killing the group) stops the members too.
-        m.proc = subprocess.Popen(cmd)
+        m.proc = subprocess.Popen(cmd, env=self._member_env())
         try:
             await self._wait_healthy(m)
         except BaseException as exc:
