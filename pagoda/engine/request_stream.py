@@ -132,13 +132,15 @@ class RequestStream:
                 ) from None
         if isinstance(item, BaseException):
             raise item
-        # Merge whatever else already arrived: one delta for a consumer that fell behind.
+        # Merge whatever else already arrived: one delta for a consumer that fell behind, folded
+        # into a copy (the output listeners were handed `item` itself).
+        first = item
         while not queue.empty():
             nxt = queue.get_nowait()
             if isinstance(nxt, BaseException):
                 self._pending_error = nxt
                 break
-            item = merge_delta(item, nxt)
+            item = merge_delta(_own_copy(item) if item is first else item, nxt)
         return item
 
     def close(self) -> None:

@@ -356,6 +356,29 @@ def test_a_final_only_request_gets_its_whole_output_once(tmp_path):
     asyncio.run(main())
 
 
+def test_a_streamed_consumer_that_fell_behind_gets_one_delta_and_listeners_keep_theirs(tmp_path):
+    """A stream read after several steps gets their deltas merged into one output; the merging works
+    on a copy, so the outputs the listeners were handed (and may keep) still hold their own step."""
+    from pagoda.contracts.messages import EngineCoreOutput, EngineCoreOutputs
+    from pagoda.sampling_params import SamplingParams
+
+    engine = _stub_engine(tmp_path, lambda kind, payload=b"": None)
+    kept: list[list] = []
+    engine.output_listeners.append(lambda msg, results: kept.append(results))
+
+    async def main() -> None:
+        stream = await engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), "lagging")
+        for new, reason in (([5], None), ([6], None), ([7], "length")):
+            engine._handle_core_message(EngineCoreOutputs(outputs=[EngineCoreOutput("lagging", new, finish_reason=reason)]))
+        outs = [out async for out in stream]
+        assert len(outs) == 1 and outs[0].finished
+        assert outs[0].outputs[0].token_ids == [5, 6, 7] and outs[0].outputs[0].finish_reason == "length"
+        assert [[r.outputs[0].token_ids for r in results] for results in kept] == [[[5]], [[6]], [[7]]]
+        assert kept[0][0].outputs[0].finish_reason is None and not kept[0][0].finished
+
+    asyncio.run(main())
+
+
 def test_tokenization_runs_off_the_event_loop(tmp_path):
     """A long prompt takes seconds to tokenize: it must not stall the event loop, which streams every
     other request's tokens. The stand-in tokenizer blocks until the loop itself releases it, which
