@@ -92,7 +92,12 @@ def bind_engine_threads(env: Mapping[str, str] = os.environ) -> list[int] | None
         return None
     if torch.get_num_threads() != len(plan):
         torch.set_num_threads(len(plan))
-    module.bind_threads(plan)
+    try:
+        module.bind_threads(plan)
+    except RuntimeError as exc:  # a thread did not join the region (OMP_DYNAMIC), or the kernel refused: run unbound
+        logger.warning("engine threads left unbound: %s", exc)
+        os.sched_setaffinity(0, allowed)  # this thread may have been bound before another failed
+        return None
     logger.info("engine threads bound one to a CPU: %s (%s=nobind leaves them to the OS)",
                 ",".join(map(str, plan)), THREADS_BIND_ENV)
     return plan

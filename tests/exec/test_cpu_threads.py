@@ -116,3 +116,28 @@ def test_nobind_leaves_every_thread_its_cpus():
     assert result is not None, "the thread binding kernel did not build"
     assert result["plan"] is None and result["tids"] == []
     assert result["main_mask"] == ALLOWED
+
+
+def test_a_binding_that_fails_leaves_the_engine_running_unbound(monkeypatch, caplog):
+    """The kernel refusing (a thread that did not join the region, a CPU the kernel will not give)
+    must not stop the engine core: a warning, and this thread keeps every CPU."""
+    import types
+
+    import torch
+
+    from pagoda.exec import cpu_kernels, cpu_threads
+
+    def refuse(cpus):
+        os.sched_setaffinity(0, {cpus[0]})  # as if thread 0 had been bound before thread 1 failed
+        raise RuntimeError("bind_threads: thread 1 of 2 did not run")
+
+    monkeypatch.setattr(cpu_kernels, "load_thread_binding", lambda: types.SimpleNamespace(bind_threads=refuse))
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        with caplog.at_level("WARNING", logger="pagoda.exec.cpu_threads"):
+            assert cpu_threads.bind_engine_threads({"VLLM_CPU_OMP_THREADS_BIND": str(ALLOWED[0])}) is None
+        assert "engine threads left unbound: bind_threads: thread 1 of 2 did not run" in caplog.text
+        assert os.sched_getaffinity(0) == before
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
