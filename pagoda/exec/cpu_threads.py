@@ -11,7 +11,7 @@ Why bind: a step of the engine runs a few hundred parallel regions, each ended b
 the same cores as the API process and, in a benchmark, the load's client. Unbound, a thread that
 loses its core to them may be queued behind its sibling on the other core, and the two take turns
 there while the freed core idles; bound, it waits on its own core only (csrc/thread_binding.cpp;
-docs/perf-notes.md, 2026-12-07 evening: a served batch on two cores 5-7 % faster).
+docs/perf-notes.md, 2026-12-07 evening: a served batch on two cores 4-7 % faster).
 
 The offline `LLM` runs its engine in the caller's process, whose threads (and the processes it
 starts later, which inherit a thread's CPUs) are not ours to bind: it never binds.

@@ -46,3 +46,13 @@ def test_pool_refuses_unknown_models_and_bad_k():
         pool.member("c")
     with pytest.raises(ValueError, match="--max-loaded-models must be >= 1"):
         ModelPool({"a": "/m/a"}, 0, [])
+
+
+def test_pool_members_leave_their_threads_unbound_when_several_can_run(monkeypatch):
+    """Two busy members bound to the same CPUs would take turns in lockstep: above one loaded model the
+    members default to nobind; one at a time they bind as a single server does; a user's choice wins."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert ModelPool({"a": "/m/a", "b": "/m/b"}, 2, [])._member_env()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in ModelPool({"a": "/m/a", "b": "/m/b"}, 1, [])._member_env()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert ModelPool({"a": "/m/a", "b": "/m/b"}, 2, [])._member_env()["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
