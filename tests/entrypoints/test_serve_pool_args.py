@@ -49,7 +49,7 @@ def test_pool_refuses_unknown_models_and_bad_k():
 
 
 def test_pool_members_leave_their_threads_unbound_when_several_can_run(monkeypatch):
-    """Two busy members bound to the same CPUs would take turns in lockstep: above one loaded model the
+    """Two busy members bound to the same CPUs would compete pair against pair for them: above one loaded model the
     members default to nobind; one at a time they bind as a single server does; a user's choice wins."""
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert ModelPool({"a": "/m/a", "b": "/m/b"}, 2, [])._member_env()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
