@@ -44,10 +44,15 @@ def parse_cpu_list(text: str) -> list[int]:
     return cpus
 
 
+def _setting(value: str) -> str:
+    """The variable's value as read: `auto` when unset or empty, `nobind`, or a CPU list."""
+    return value.strip().lower() or "auto"
+
+
 def binding_plan(value: str, allowed: list[int], threads: int) -> list[int] | None:
     """The CPUs to bind torch's threads to (thread i to the i-th), or None to leave them unbound.
     `allowed`: the CPUs this process may run on; `threads`: torch's thread count."""
-    value = value.strip().lower() or "auto"
+    value = _setting(value)
     if value == "nobind":
         return None
     if value == "auto":
@@ -64,8 +69,8 @@ def check_threads_bind(single_rank: bool, env: Mapping[str, str] = os.environ) -
     """Before the model loads: ValueError for a value that cannot be honoured. `single_rank`: the
     model will run in this process, as one rank of one replica; otherwise only `auto` and `nobind`
     are accepted, and nothing is bound (several ranks or replicas would need a list each)."""
-    value = env.get(THREADS_BIND_ENV, "auto").strip().lower()
-    if value in ("", "auto", "nobind"):
+    value = _setting(env.get(THREADS_BIND_ENV, ""))
+    if value in ("auto", "nobind"):
         return
     parse_cpu_list(value)
     if not single_rank:

@@ -1,11 +1,11 @@
 // Pins torch's intra-op (OpenMP) threads one to a CPU: the engine core's threads, where they share
-// a machine's few cores with the API process and the load's client (pagoda/engine/devices.py says
+// a machine's few cores with the API process and the load's client (pagoda/exec/cpu_threads.py says
 // when).
 //
 // Why: a step of the engine runs a few hundred parallel regions, each ended by a barrier. Unbound,
 // when another process takes a core from one of the threads, the scheduler may queue that thread
 // behind its sibling on the other core; the two then take turns on one core (each spinning while
-// the other computes) and the freed core stays idle for 10-30 ms (perf sched over a served batch
+// the other computes) and the freed core stays idle 6-15 ms at a stretch (perf sched over a served batch
 // on two cores, docs/perf-notes.md, 2026-12-07 evening). Bound, a displaced thread waits on its
 // own core only.
 //
