@@ -276,6 +276,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
+// Rows a thread of write_kv takes at least. A decode step's few rows are little to copy, but a row
+// that opens a fresh block faults its pages in (~5-13 us a 4 KiB page on the VMs measured, where the
+// host backs a page only once the guest first touches it): serial, those faults held both threads
+// for ~4.7 ms of a 64-row step (docs/perf-notes.md, "2026-12-07 (night)"). Split, each thread takes
+// its own rows' faults.
+constexpr int64_t kWriteGrain = 8;
+
 // Rows i in [begin, end) of src (row stride `stride` elements) into rows slots[i] of dst, converted.
 template <typename S, typename C>
 static void convert_rows(C* dst, const S* src, const int64_t* slots, int64_t stride, int64_t row, int64_t begin,
@@ -342,7 +349,7 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
       with_cache_type(k_cache.scalar_type(), [&](auto tag) {
         using C = decltype(tag);
-        at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, n, kWriteGrain, [&](int64_t begin, int64_t end) {
           convert_rows(k_cache.data_ptr<C>(), kk.data_ptr<scalar_t>(), s, kk.stride(0), row, begin, end);
           convert_rows(v_cache.data_ptr<C>(), vv.data_ptr<scalar_t>(), s, vv.stride(0), row, begin, end);
         });
@@ -356,7 +363,7 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   const char* kp = static_cast<const char*>(kk.data_ptr());
   const char* vp = static_cast<const char*>(vv.data_ptr());
   const int64_t ks = kk.stride(0) * esize, vs = vv.stride(0) * esize, bytes = row * esize;
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, kWriteGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       std::memcpy(kc + s[i] * bytes, kp + i * ks, bytes);
       std::memcpy(vc + s[i] * bytes, vp + i * vs, bytes);
