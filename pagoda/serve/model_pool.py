@@ -83,18 +83,29 @@ class ModelPool:
         return found
 
     async def acquire(self, name: str | None) -> PoolMember:
-        """The member, loaded and counted as in use (call release() when its request ends)."""
+        """The member, loaded and counted as in use (call release() when its request ends).
+
+        The request counts from the start, while it waits for the load: counted only once the load
+        had finished, another model's request waiting for room could take the freshly loaded member
+        for idle in between and stop it under this request (which then got 503 "aborted")."""
         m = self.member(name)
         m.last_used = time.monotonic()
-        while m.state != "loaded":
-            async with self._lock:
-                if m._starting is None and m.state != "loaded":
-                    await self._make_room(m)
-                    m._starting = asyncio.ensure_future(self._start(m))
-                task = m._starting
-            if task is not None:
-                await asyncio.shield(task)
         m.inflight += 1
+        try:
+            while m.state != "loaded":
+                async with self._lock:
+                    if m._starting is None and m.state != "loaded":
+                        await self._make_room(m)
+                        # Counted at once: the task runs later, and another request taking the lock
+                        # first would otherwise find room for one more.
+                        m.state = "loading"
+                        m._starting = asyncio.ensure_future(self._start(m))
+                    task = m._starting
+                if task is not None:
+                    await asyncio.shield(task)
+        except BaseException:
+            await self.release(m)
+            raise
         return m
 
     async def release(self, m: PoolMember) -> None:
@@ -109,8 +120,10 @@ class ModelPool:
         while sum(1 for m in self.members.values() if m.state != "unloaded") >= self.max_loaded:
             idle = [m for m in self.members.values() if m.state == "loaded" and m.inflight == 0 and m is not wanted]
             if idle:
-                # Off the event loop: other models' requests keep flowing while it exits.
-                await asyncio.to_thread(self._stop, min(idle, key=lambda m: m.last_used))
+                # Unloaded at once, on the event loop, so that no request takes it from here on; its
+                # process exits off the loop, where other models' requests keep flowing meanwhile.
+                victim = min(idle, key=lambda m: m.last_used)
+                await asyncio.to_thread(self._stop_process, victim.name, self._detach(victim))
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
@@ -169,10 +182,19 @@ class ModelPool:
         raise PoolError(503, f"model {m.name} did not load within {self.load_timeout:g} s", retry_after=5)
 
     def _stop(self, m: PoolMember) -> None:
+        self._stop_process(m.name, self._detach(m))
+
+    @staticmethod
+    def _detach(m: PoolMember) -> subprocess.Popen | None:
+        """Mark the member unloaded; returns its process, for _stop_process."""
         proc, m.proc, m.state = m.proc, None, "unloaded"
+        return proc
+
+    @staticmethod
+    def _stop_process(name: str, proc: subprocess.Popen | None) -> None:
         if proc is None or proc.poll() is not None:
             return
-        logger.info("unloading model %s", m.name)
+        logger.info("unloading model %s", name)
         proc.send_signal(signal.SIGINT)  # stop at once: the member has no request in flight
         try:
             proc.wait(15)

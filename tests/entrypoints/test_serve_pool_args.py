@@ -56,3 +56,55 @@ def test_pool_members_leave_their_threads_unbound_when_several_can_run(monkeypat
     assert "VLLM_CPU_OMP_THREADS_BIND" not in ModelPool({"a": "/m/a", "b": "/m/b"}, 1, [])._member_env()
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     assert ModelPool({"a": "/m/a", "b": "/m/b"}, 2, [])._member_env()["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+
+
+def test_a_model_loaded_for_a_waiting_request_is_not_unloaded_under_it():
+    """With one model loadable, requests for a and b at once: a's load counts against the limit from
+    the moment it is decided (b's request, taking the lock before a's load task runs, started b as
+    well), and a's request counts from its start, so that b's request waiting for room does not take
+    a for idle between a's load finishing and a's request going on (it stopped a under its request:
+    503 "aborted"). The members' processes are scripted here; end to end:
+    tests/serve/test_model_pool_server.py."""
+    import asyncio
+
+    async def scenario() -> list[str]:
+        pool = ModelPool({"a": "/m/a", "b": "/m/b"}, max_loaded=1, member_args=[])
+        in_use: set[str] = set()
+        stopped_in_use: list[str] = []
+
+        async def start(m):
+            m.state = "loading"
+            await asyncio.sleep(0.01)
+            m.state, m._starting = "loaded", None
+            # The waiting request already counts: from here b's wait for room must not find a idle.
+            assert m.inflight == 1, f"{m.name} loaded with {m.inflight} requests counted"
+            async with pool._changed:
+                pool._changed.notify_all()  # wakes b's wait for room before a's request resumes
+
+        def stop_process(name, proc):
+            if name in in_use:
+                stopped_in_use.append(name)
+
+        pool._start, pool._stop_process = start, stop_process
+
+        async def use(name: str) -> None:
+            m = await pool.acquire(name)
+            in_use.add(name)
+            assert m.state == "loaded"
+            await asyncio.sleep(0.02)
+            assert m.state == "loaded", f"{name} was unloaded under its request"
+            in_use.discard(name)
+            await pool.release(m)
+
+        async def counted_start(m):
+            m.loads += 1
+            await start(m)
+
+        pool._start = counted_start
+        await asyncio.gather(use("a"), use("b"))
+        # a served first, then b: each loaded once (a taken for idle at once would load twice)
+        assert {m.name: (m.state, m.loads, m.inflight) for m in pool.members.values()} == {
+            "a": ("unloaded", 1, 0), "b": ("loaded", 1, 0)}
+        return stopped_in_use
+
+    assert asyncio.run(scenario()) == []
