@@ -145,7 +145,7 @@ class ModelPool:
 
     async def _start(self, m: PoolMember) -> None:
         t0 = time.monotonic()
-        m.state, m.port = "loading", _free_port()
+        m.port = _free_port()  # acquire() has marked it loading
         cmd = [sys.executable, "-m", "pagoda", "serve", m.model, "--served-model-name", m.name,
                "--host", "127.0.0.1", "--port", str(m.port), *self.member_args]
         logger.info("loading model %s (%s) on port %d", m.name, m.model, m.port)
