@@ -6,6 +6,8 @@ from a file without blocks drops it."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -289,7 +291,8 @@ def test_on_amx_tiles_the_blocks_round_as_onednn(qtype):
 def test_on_amx_tiles_more_rows_sum_as_onednn_sums_sixteen(qtype):
     """Past 32 rows (a step of decodes) the tiles still sum k in order from zero: every row gets the
     bits oneDNN gives it in a step of 16 rows (where oneDNN itself, from 33 rows, splits k), at any
-    count up to the most, rows strided or not, with and without a bias."""
+    count up to the most, rows strided or not (contiguous whole groups of 32 rows are read in place,
+    the rest from a zero-padded copy), with and without a bias."""
     from pagoda.exec import cpu_linear
 
     g = torch.Generator().manual_seed(4)
@@ -298,11 +301,11 @@ def test_on_amx_tiles_more_rows_sum_as_onednn_sums_sixteen(qtype):
         blocks, onednn = pack_blocks(parts), cpu_linear._pack(_loaded_bf16(parts))
         bias = torch.randn(n, generator=g).to(torch.bfloat16)
         for rows in (33, 47, 64, 65, 100, gemm_kernel().AMX_ROWS_MAX):
-            x = torch.randn(2 * rows, k, generator=g).to(torch.bfloat16)[::2]
-            for b in (None, bias):
+            strided = torch.randn(2 * rows, k, generator=g).to(torch.bfloat16)[::2]
+            for x, b in itertools.product((strided, strided.contiguous()), (None, bias)):
                 want = torch.cat([cpu_linear._packed_linear(x[r:r + 16].contiguous(), onednn, b) for r in range(0, rows, 16)])
                 assert torch.equal(gemm_kernel().gemm_bf16_blocks(x, blocks, b, n, True).view(torch.int16),
-                                   want.view(torch.int16)), (n, k, rows, b is None)
+                                   want.view(torch.int16)), (n, k, rows, b is None, x.is_contiguous())
 
 
 @needs_amx

@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -135,7 +136,8 @@ void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::v
   const bool many = amx && m > kAmxRowsMax;
   const int64_t padded = many ? (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows) : m;
   torch::Tensor x = x_in;
-  if (many) {
+  // The tiles read whole 32-row groups k apart: a copy only where x has a partial group or strided rows.
+  if (many && (padded != m || x_in.stride(0) != k)) {
     x = torch::zeros({padded, k}, x_in.options());
     x.narrow(0, 0, m).copy_(x_in);
   }
@@ -151,8 +153,9 @@ void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::v
   {
     const int64_t th = omp_get_thread_num();
     alignas(64) float few[kAmxRowsMax][kCols];
-    std::vector<float> more(many ? padded * kCols : 0);
-    auto* c = many ? reinterpret_cast<float(*)[kCols]>(more.data()) : few;
+    // Not zeroed: the first k-chunk starts from zeroed tiles and stores every sum.
+    std::unique_ptr<float[]> more(many ? new float[padded * kCols] : nullptr);
+    auto* c = many ? reinterpret_cast<float(*)[kCols]>(more.get()) : few;
     const uint16_t* a[kBlockRowsMax];
     for (int i = 0; i < m && !amx; ++i) a[i] = xp + i * x.stride(0);
     if (amx) amx_configure(static_cast<int>(std::min<int64_t>(m, kAmxRowsMax + 1)));
