@@ -308,6 +308,32 @@ def test_on_amx_tiles_more_rows_sum_as_onednn_sums_sixteen(qtype):
                                    want.view(torch.int16)), (n, k, rows, b is None, x.is_contiguous())
 
 
+@needs_gemm
+@pytest.mark.parametrize("qtype", TYPES)
+def test_silu_of_gate_up_over_blocks_is_the_projection_then_silu_and_mul(qtype):
+    """gemm_bf16_blocks_silu (a step of decodes' MLP input, SiLU in the GEMM's epilogue) gives the
+    bits of gemm_bf16_blocks over [gate | up] then silu_and_mul: on our GEMM up to 8 rows, and on AMX
+    tiles (where this CPU has them) up to the most, rows strided or not; n not a multiple of 64 is
+    refused."""
+    from pagoda.model.cpu_layer_ops import load_layer_ops
+
+    silu_and_mul = load_layer_ops().silu_and_mul
+    inter, k = 128, 576
+    blocks = pack_blocks([_part(qtype, 2 * inter, k, 31)])
+    g = torch.Generator().manual_seed(31)
+    counts = [(rows, False) for rows in (1, 5, 8)]
+    if exact_block_rows():
+        counts += [(rows, True) for rows in (1, 16, 32, 33, 64, 100, gemm_kernel().AMX_ROWS_MAX)]
+    for rows, tiles in counts:
+        strided = torch.randn(2 * rows, k, generator=g).to(torch.bfloat16)[::2]
+        for x in (strided, strided.contiguous()):
+            want = silu_and_mul(gemm_kernel().gemm_bf16_blocks(x, blocks, None, 2 * inter, tiles))
+            got = gemm_kernel().gemm_bf16_blocks_silu(x, blocks, inter, tiles)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (rows, tiles, x.is_contiguous())
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        gemm_kernel().gemm_bf16_blocks_silu(strided[:1], pack_blocks([_part(qtype, 2 * 96, k, 32)]), 96, False)
+
+
 @needs_amx
 def test_a_shape_that_onednn_sums_otherwise_keeps_no_blocks(monkeypatch):
     """Each shape's tiles are checked against oneDNN once; where one output differs (oneDNN summing

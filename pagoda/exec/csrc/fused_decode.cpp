@@ -32,6 +32,7 @@ using PrefillFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor,
 using GemmFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t, const Opt&);
 using GemmSiluFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&);
 using GemmBlocksFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t, bool);
+using GemmBlocksSiluFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, bool);
 using GemmI8Fn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const Opt&, int64_t);
 using QuantFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, const Opt&, int64_t);
 using MoEFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
@@ -125,6 +126,7 @@ struct Kernels {
   GemmFn gemm_bf16 = nullptr;    // only where the CPU has AVX512-BF16
   GemmSiluFn gemm_bf16_silu = nullptr;
   GemmBlocksFn gemm_bf16_blocks = nullptr;
+  GemmBlocksSiluFn gemm_bf16_blocks_silu = nullptr;
   GemmI8Fn gemm_i8_bf16 = nullptr;
   GemmI8Fn gemm_int8 = nullptr;  // the W8A8 GEMM (gemm_int8.cpp), only where the CPU has AVX512-VNNI
   QuantFn quant_matmul = nullptr;  // only for models with quantized weights
@@ -151,6 +153,7 @@ class DecodePlan {
     k_.gemm_bf16 = address<GemmFn>(at, "gemm_bf16", false);
     k_.gemm_bf16_silu = address<GemmSiluFn>(at, "gemm_bf16_silu", false);
     k_.gemm_bf16_blocks = address<GemmBlocksFn>(at, "gemm_bf16_blocks", false);
+    k_.gemm_bf16_blocks_silu = address<GemmBlocksSiluFn>(at, "gemm_bf16_blocks_silu", false);
     k_.gemm_i8_bf16 = address<GemmI8Fn>(at, "gemm_i8_bf16", false);
     k_.gemm_int8 = address<GemmI8Fn>(at, "gemm_int8", false);
     k_.quant_matmul = address<QuantFn>(at, "quant_matmul", false);
@@ -256,7 +259,7 @@ class DecodePlan {
                                   : k_.paged_decode(q, l.k_cache, l.v_cache, block_tables, seq_lens, l.scale);
       h = linear(attn.reshape({m, q_size}), l.o);
       k_.add_rms_norm_(h, residual, l.post_norm, l.post_eps);
-      h = l.experts.present ? routed(h, l.experts) : linear(l.gate_up.kind == 5 ? linear(h, l.gate_up) : k_.silu_and_mul(linear(h, l.gate_up)), l.down);
+      h = l.experts.present ? routed(h, l.experts) : linear(silu_of_gate_up(h, l.gate_up), l.down);
     }
     return {h, residual};
   }
@@ -304,6 +307,17 @@ class DecodePlan {
     if (h.scalar_type() == torch::kFloat32) down.mul_(scale);
     else down = (down.to(torch::kFloat32) * scale).to(h.scalar_type());
     return at::zeros_like(h).index_add_(0, tokens, down);
+  }
+
+  // silu(gate) * up of an MLP's [gate | up] projection: in its GEMM's epilogue where the GEMM has one
+  // (kind 5; kind 0's blocks for a step's few rows, when the halves are whole 64-column tasks), else
+  // the projection then silu_and_mul. The same bits either way (gemm_bf16.cpp).
+  torch::Tensor silu_of_gate_up(const torch::Tensor& x, const Linear& l) const {
+    if (l.kind == 5) return linear(x, l);
+    if (l.kind == 0 && l.blocks.has_value() && !l.bias.has_value() && x.size(0) <= block_rows_ &&
+        k_.gemm_bf16_blocks_silu && l.n % 128 == 0)
+      return k_.gemm_bf16_blocks_silu(x.stride(-1) == 1 ? x : x.contiguous(), *l.blocks, l.n / 2, x.size(0) > ours_rows_);
+    return k_.silu_and_mul(linear(x, l));
   }
 
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {

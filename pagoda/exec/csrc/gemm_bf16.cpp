@@ -129,10 +129,14 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t n, at::Scalar
 // block_bytes]: one task a column block, each thread a contiguous range of them, then the back of
 // another's (balanced_for.h's Ranges). `amx`: on AMX tiles (amx_blocks.h: oneDNN's bits up to
 // kAmxRowsMax rows; up to kAmxManyRowsMax on a zero-padded copy of x), else as our GEMM sums (up to
-// kBlockRowsMax).
+// kBlockRowsMax). `silu`: q holds [gate | up], n their columns, and y [M, n / 2] takes
+// silu(gate) * up: task t sums gate's column block t and up's t + n / 128 (n / 2 a multiple of kCols),
+// rounds both rows to bf16 as y would hold them, and multiplies them as silu_and_mul does (the same bits
+// as the two calls, without a [M, n] round trip through memory or a parallel region of its own).
 void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::vector<float>& b, int64_t n,
-                 torch::Tensor& y, bool amx = false) {
-  const int64_t m = x_in.size(0), k = x_in.size(1), tasks = q.size(0), stride = q.size(1) * q.size(2);
+                 torch::Tensor& y, bool amx = false, const float* silu = nullptr) {
+  const int64_t m = x_in.size(0), k = x_in.size(1), stride = q.size(1) * q.size(2);
+  const int64_t tasks = silu ? n / 2 / kCols : q.size(0), ldy = y.size(1);
   const bool many = amx && m > kAmxRowsMax;
   const int64_t padded = many ? (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows) : m;
   torch::Tensor x = x_in;
@@ -152,27 +156,41 @@ void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::v
 #pragma omp parallel num_threads(threads)
   {
     const int64_t th = omp_get_thread_num();
-    alignas(64) float few[kAmxRowsMax][kCols];
-    // Not zeroed: the first k-chunk starts from zeroed tiles and stores every sum.
-    std::unique_ptr<float[]> more(many ? new float[padded * kCols] : nullptr);
-    auto* c = many ? reinterpret_cast<float(*)[kCols]>(more.get()) : few;
+    // Sums for gate (or the one linear) and up (silu); not zeroed: every kernel stores all its rows'.
+    alignas(64) float few[2][kAmxRowsMax][kCols];
+    std::unique_ptr<float[]> more(many ? new float[(silu ? 2 : 1) * padded * kCols] : nullptr);
+    auto* c = many ? reinterpret_cast<float(*)[kCols]>(more.get()) : few[0];
+    auto* c_up = many ? c + padded : few[1];
     const uint16_t* a[kBlockRowsMax];
     for (int i = 0; i < m && !amx; ++i) a[i] = xp + i * x.stride(0);
+    const auto sum_task = [&](int64_t t, float (*out)[kCols]) {
+      const uint8_t* w = qp + t * stride;
+      if (many && bits == 4) amx_tile_blocks_many<4>(xp, k, padded, w, k, out);
+      else if (many) amx_tile_blocks_many<8>(xp, k, padded, w, k, out);
+      else if (amx && m > kTileRows) {
+        if (bits == 4) amx_tile_blocks_two<4>(xp, x.stride(0), w, k, out);
+        else amx_tile_blocks_two<8>(xp, x.stride(0), w, k, out);
+      } else if (amx && bits == 4) amx_tile_blocks<4>(xp, x.stride(0), w, k, out);
+      else if (amx) amx_tile_blocks<8>(xp, x.stride(0), w, k, out);
+      else if (bits == 4) tile_blocks_rows<4>(static_cast<int>(m), a, w, k, out);
+      else tile_blocks_rows<8>(static_cast<int>(m), a, w, k, out);
+    };
+    const float* bias = b.empty() ? nullptr : b.data();
     if (amx) amx_configure(static_cast<int>(std::min<int64_t>(m, kAmxRowsMax + 1)));
     for (int64_t t; (t = ranges.take(th)) >= 0;) {
-      const uint8_t* w = qp + t * stride;
-      if (many && bits == 4) amx_tile_blocks_many<4>(xp, k, padded, w, k, c);
-      else if (many) amx_tile_blocks_many<8>(xp, k, padded, w, k, c);
-      else if (amx && m > kTileRows) {
-        if (bits == 4) amx_tile_blocks_two<4>(xp, x.stride(0), w, k, c);
-        else amx_tile_blocks_two<8>(xp, x.stride(0), w, k, c);
-      } else if (amx && bits == 4) amx_tile_blocks<4>(xp, x.stride(0), w, k, c);
-      else if (amx) amx_tile_blocks<8>(xp, x.stride(0), w, k, c);
-      else if (bits == 4) tile_blocks_rows<4>(static_cast<int>(m), a, w, k, c);
-      else tile_blocks_rows<8>(static_cast<int>(m), a, w, k, c);
+      sum_task(t, c);
+      if (silu) {
+        sum_task(t + tasks, c_up);
+        alignas(64) uint16_t gate[kCols], up[kCols];
+        for (int i = 0; i < m; ++i) {
+          store_row(c[i], kCols, nullptr, bias ? bias + t * kCols : nullptr, gate);
+          store_row(c_up[i], kCols, nullptr, bias ? bias + (t + tasks) * kCols : nullptr, up);
+          pagoda::silu_mul_row(gate, up, kCols, silu, yp + i * ldy + t * kCols);
+        }
+        continue;
+      }
       const int64_t cols = std::min<int64_t>(kCols, n - t * kCols);
-      for (int i = 0; i < m; ++i)
-        store_row(c[i], cols, nullptr, b.empty() ? nullptr : b.data() + t * kCols, yp + i * n + t * kCols);
+      for (int i = 0; i < m; ++i) store_row(c[i], cols, nullptr, bias ? bias + t * kCols : nullptr, yp + i * ldy + t * kCols);
     }
     if (amx) amx_release();
   }
@@ -244,6 +262,20 @@ torch::Tensor gemm_bf16_blocks(const torch::Tensor& x, const torch::Tensor& q, c
   return y;
 }
 
+// silu(x w_gate^T) * (x w_up^T) [M, n] in bf16 over [gate | up] weights in GGUF blocks q (n a multiple
+// of 64): what gemm_bf16_blocks(x, q, None, 2n, tiles) then silu_and_mul give, in one pass.
+torch::Tensor gemm_bf16_blocks_silu(const torch::Tensor& x, const torch::Tensor& q, int64_t n, bool tiles) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16, rows contiguous");
+  TORCH_CHECK(!tiles || amx_block_rows() > 0, "gemm_bf16: built without AMX tiles, or not let use them");
+  TORCH_CHECK(x.size(0) <= (tiles ? kAmxManyRowsMax : kBlockRowsMax) && built_with_avx512_bf16(),
+              "gemm_bf16: blocks serve at most ", tiles ? kAmxManyRowsMax : kBlockRowsMax, " rows, with AVX512-BF16");
+  TORCH_CHECK(n > 0 && n % kCols == 0, "gemm_bf16_blocks_silu: n must be a multiple of ", kCols);
+  check_blocks(x, q, 2 * n);
+  auto y = torch::empty({x.size(0), n}, x.options());
+  if (x.size(0) > 0) gemm_blocks(x, q, {}, 2 * n, y, tiles, pagoda::silu_bf16_table());
+  return y;
+}
+
 // silu(x w_gate^T) * (x w_up^T) [M, n] in bf16, as gemm_bf16 then silu_and_mul give it; w packed
 // [ceil(n/32), K/2, 4, 16, 2] from the paired gate_up rows (exec/cpu_linear.py pair_gate_up). q: the
 // unpaired [gate | up] weights in GGUF blocks, which serve up to kBlockRowsMax rows as in gemm_bf16.
@@ -304,6 +336,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_i8_bf16", &gemm_i8_bf16, py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("n"));
   m.def("gemm_bf16_blocks", &gemm_bf16_blocks, py::arg("x"), py::arg("q"), py::arg("bias"), py::arg("n"),
         py::arg("tiles") = false);
+  m.def("gemm_bf16_blocks_silu", &gemm_bf16_blocks_silu, py::arg("x"), py::arg("q"), py::arg("n"),
+        py::arg("tiles") = false);
   m.def("blocks_widen_to", &blocks_widen_to, py::arg("q"), py::arg("w"));
   m.attr("BLOCK_ROWS_MAX") = kBlockRowsMax;
   m.def("amx_block_rows", &amx_block_rows);
@@ -314,6 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::map<std::string, int64_t>{{"gemm_bf16", reinterpret_cast<int64_t>(&gemm_bf16)},
                                           {"gemm_i8_bf16", reinterpret_cast<int64_t>(&gemm_i8_bf16)},
                                           {"gemm_bf16_silu", reinterpret_cast<int64_t>(&gemm_bf16_silu)},
-                                          {"gemm_bf16_blocks", reinterpret_cast<int64_t>(&gemm_bf16_blocks)}};
+                                          {"gemm_bf16_blocks", reinterpret_cast<int64_t>(&gemm_bf16_blocks)},
+                                          {"gemm_bf16_blocks_silu", reinterpret_cast<int64_t>(&gemm_bf16_blocks_silu)}};
   });
 }
