@@ -227,20 +227,20 @@ inline __m256i silu_mul16(__m512i gate, __m512 up, const float* table) {
 }
 #endif
 
-// silu(gate) * up for `cols` (<= 32) columns of one row of a gate/up task's sums (c[j]: gate j,
-// c[32 + j]: up j), each sum first rounded to bf16 as store_row rounds it: the epilogue of the gate_up
-// GEMM (gemm_bf16.cpp) and of the grouped MoE kernel (moe_experts.cpp).
-inline void store_silu_row(const float* c, int64_t cols, const float* table, uint16_t* dst) {
-  constexpr int64_t kUp = kNB * kBlock / 2;
+// silu(gate) * up for `cols` columns of one row's sums (gate[j], up[j]), each sum first rounded to
+// bf16 as store_row rounds it: the epilogue of the gate_up GEMMs (gemm_bf16.cpp: a gate/up task's
+// halves, c and c + 32, or the GGUF blocks' gate and up tasks) and of the grouped MoE kernel
+// (moe_experts.cpp).
+inline void store_silu_row(const float* gate, const float* up, int64_t cols, const float* table, uint16_t* dst) {
   int64_t j = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   for (; j < cols; j += kBlock) {
     const __mmask16 mask = first_lanes(cols - j);
-    const __m512i gate = _mm512_cvtepu16_epi32(to_bf16(_mm512_loadu_ps(c + j)));
-    _mm256_mask_storeu_epi16(dst + j, mask, silu_mul16(gate, round16(_mm512_loadu_ps(c + kUp + j)), table));
+    const __m512i g = _mm512_cvtepu16_epi32(to_bf16(_mm512_maskz_loadu_ps(mask, gate + j)));
+    _mm256_mask_storeu_epi16(dst + j, mask, silu_mul16(g, round16(_mm512_maskz_loadu_ps(mask, up + j)), table));
   }
 #endif
-  for (; j < cols; ++j) dst[j] = bf16(table[bf16(c[j]).x] * round_bf16(c[kUp + j])).x;
+  for (; j < cols; ++j) dst[j] = bf16(table[bf16(gate[j]).x] * round_bf16(up[j])).x;
 }
 
 // One row's sums of a task to bf16: times scale, plus bias (either may be null), `cols` of them.

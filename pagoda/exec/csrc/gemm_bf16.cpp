@@ -71,7 +71,7 @@ void run_task(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k, int6
     else tile_rows<false>(static_cast<int>(rows), a, w, k, c, r > r0 && next != nullptr ? &ahead : nullptr);
     const int64_t cols = std::min<int64_t>(silu ? kCols / 2 : kCols, n - col0);
     for (int i = 0; i < rows; ++i) {
-      if (silu) store_silu_row(c[i], cols, silu, y + (r + i) * ldy + col0);
+      if (silu) store_silu_row(c[i], c[i] + kCols / 2, cols, silu, y + (r + i) * ldy + col0);
       else store_row(c[i], cols, scale ? scale + col0 : nullptr, bias ? bias + col0 : nullptr, y + (r + i) * ldy + col0);
     }
   }
@@ -181,12 +181,7 @@ void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::v
       sum_task(t, c);
       if (silu) {
         sum_task(t + tasks, c_up);
-        alignas(64) uint16_t gate[kCols], up[kCols];
-        for (int i = 0; i < m; ++i) {
-          store_row(c[i], kCols, nullptr, bias ? bias + t * kCols : nullptr, gate);
-          store_row(c_up[i], kCols, nullptr, bias ? bias + (t + tasks) * kCols : nullptr, up);
-          pagoda::silu_mul_row(gate, up, kCols, silu, yp + i * ldy + t * kCols);
-        }
+        for (int i = 0; i < m; ++i) store_silu_row(c[i], c_up[i], kCols, silu, yp + i * ldy + t * kCols);
         continue;
       }
       const int64_t cols = std::min<int64_t>(kCols, n - t * kCols);

@@ -108,7 +108,7 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& ids,
       const uint16_t* a[kMRHalves];
       for (int m = 0; m < n; ++m) a[m] = xp + (pair_of[r0 + m] / top_k) * H;
       tile_rows_halves(static_cast<int>(n), a, w, H, c);
-      for (int m = 0; m < n; ++m) store_silu_row(c[m], 2 * kBlock, silu, act.data() + (r0 + m) * I + g * 2 * kBlock);
+      for (int m = 0; m < n; ++m) store_silu_row(c[m], c[m] + kNB * kBlock / 2, 2 * kBlock, silu, act.data() + (r0 + m) * I + g * 2 * kBlock);
     }
   }
 
