@@ -128,14 +128,16 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t n, at::Scalar
 // The few rows of x against the same weights kept in GGUF blocks (block_tile.h), q [ceil(N/64), K/32,
 // block_bytes]: one task a column block, each thread a contiguous range of them, then the back of
 // another's (balanced_for.h's Ranges). `amx`: on AMX tiles (amx_blocks.h: oneDNN's bits up to
-// kAmxRowsMax rows; up to kAmxManyRowsMax on a zero-padded copy of x), else as our GEMM sums (up to
-// kBlockRowsMax). `silu`: q holds [gate | up], n their columns, and y [M, n / 2] takes
-// silu(gate) * up: task t sums gate's column block t and up's t + n / 128 (n / 2 a multiple of kCols),
-// rounds both rows to bf16 as y would hold them, and multiplies them as silu_and_mul does (the same bits
-// as the two calls, without a [M, n] round trip through memory or a parallel region of its own).
+// kAmxRowsMax rows; up to kAmxManyRowsMax in whole groups of 32 rows, read from x itself where its
+// rows are such groups, else from a zero-padded copy), else as our GEMM sums (up to kBlockRowsMax).
+// `silu` (b empty): q holds [gate | up], n their columns, and y [M, n / 2] takes silu(gate) * up:
+// task t sums gate's column block t and up's t + n / 128 (n / 2 a multiple of kCols), rounds both
+// rows to bf16 as y would hold them, and multiplies them as silu_and_mul does (the same bits as the
+// two calls, without a [M, n] round trip through memory or a parallel region of its own).
 void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::vector<float>& b, int64_t n,
                  torch::Tensor& y, bool amx = false, const float* silu = nullptr) {
   const int64_t m = x_in.size(0), k = x_in.size(1), stride = q.size(1) * q.size(2);
+  TORCH_CHECK(!silu || (b.empty() && n % (2 * kCols) == 0), "gemm_blocks: SiLU takes whole gate/up tasks, no bias");
   const int64_t tasks = silu ? n / 2 / kCols : q.size(0), ldy = y.size(1);
   const bool many = amx && m > kAmxRowsMax;
   const int64_t padded = many ? (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows) : m;
