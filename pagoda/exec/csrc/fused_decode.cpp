@@ -314,10 +314,14 @@ class DecodePlan {
   // the projection then silu_and_mul. The same bits either way (gemm_bf16.cpp).
   torch::Tensor silu_of_gate_up(const torch::Tensor& x, const Linear& l) const {
     if (l.kind == 5) return linear(x, l);
-    if (l.kind == 0 && l.blocks.has_value() && !l.bias.has_value() && x.size(0) <= block_rows_ &&
-        k_.gemm_bf16_blocks_silu && l.n % 128 == 0)
+    if (on_blocks(x, l) && !l.bias.has_value() && k_.gemm_bf16_blocks_silu && l.n % 128 == 0)
       return k_.gemm_bf16_blocks_silu(x.stride(-1) == 1 ? x : x.contiguous(), *l.blocks, l.n / 2, x.size(0) > ours_rows_);
     return k_.silu_and_mul(linear(x, l));
+  }
+
+  // Whether x's rows read l's GGUF blocks (oneDNN-packed weights that keep them, a step's few rows).
+  bool on_blocks(const torch::Tensor& x, const Linear& l) const {
+    return l.kind == 0 && l.blocks.has_value() && x.size(0) <= block_rows_;
   }
 
   torch::Tensor linear(const torch::Tensor& x, const Linear& l) const {
@@ -328,7 +332,7 @@ class DecodePlan {
       const torch::Tensor out = f(x.stride(-1) == 1 ? x : x.contiguous(), l.packed, l.scale, Opt(), l.n);
       return l.bias.has_value() ? out + *l.bias : out;
     }
-    if (l.kind == 0 && l.blocks.has_value() && x.size(0) <= block_rows_)
+    if (on_blocks(x, l))
       return k_.gemm_bf16_blocks(x.stride(-1) == 1 ? x : x.contiguous(), *l.blocks, l.bias, l.n, x.size(0) > ours_rows_);
     if (l.kind != 2) return packed_linear(x, l.packed, l.bias);
     const torch::Tensor xc = x.contiguous();

@@ -196,6 +196,15 @@ void gemm_blocks(const torch::Tensor& x_in, const torch::Tensor& q, const std::v
 // The most rows gemm_bf16_blocks takes on AMX tiles (oneDNN's bits), or 0 where it cannot use them.
 int64_t amx_block_rows() { return kBuiltWithAmx && amx_permitted() ? kAmxRowsMax : 0; }
 
+// x as the block GEMM takes it: bf16 rows, contiguous within, at most the rows its path serves.
+void check_block_rows(const torch::Tensor& x, bool tiles) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16, rows contiguous");
+  TORCH_CHECK(!tiles || amx_block_rows() > 0, "gemm_bf16: built without AMX tiles, or not let use them");
+  const int64_t rows = tiles ? kAmxManyRowsMax : kBlockRowsMax;
+  TORCH_CHECK(x.size(0) <= rows && built_with_avx512_bf16(), "gemm_bf16: blocks serve at most ", rows,
+              " rows, with AVX512-BF16");
+}
+
 void check_blocks(const torch::Tensor& x, const torch::Tensor& q, int64_t n) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.is_contiguous() && block_bits(q.size(2)) != 0,
               "gemm_bf16: blocks [N/64, K/32, ", block_bytes(4), " or ", block_bytes(8), "] uint8");
@@ -248,11 +257,7 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const Op
 // (as oneDNN does for 16 rows); else as our GEMM does, up to kBlockRowsMax.
 torch::Tensor gemm_bf16_blocks(const torch::Tensor& x, const torch::Tensor& q, const Opt& bias, int64_t n,
                                bool tiles) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16, rows contiguous");
-  TORCH_CHECK(!tiles || amx_block_rows() > 0, "gemm_bf16: built without AMX tiles, or not let use them");
-  const int64_t rows = tiles ? kAmxManyRowsMax : kBlockRowsMax;
-  TORCH_CHECK(x.size(0) <= rows && built_with_avx512_bf16(), "gemm_bf16: blocks serve at most ", rows,
-              " rows, with AVX512-BF16");
+  check_block_rows(x, tiles);
   check_blocks(x, q, n);
   auto y = torch::empty({x.size(0), n}, x.options());
   if (x.size(0) > 0) gemm_blocks(x, q, column_floats(bias, n, "gemm_bf16", "bias"), n, y, tiles);
@@ -262,10 +267,7 @@ torch::Tensor gemm_bf16_blocks(const torch::Tensor& x, const torch::Tensor& q, c
 // silu(x w_gate^T) * (x w_up^T) [M, n] in bf16 over [gate | up] weights in GGUF blocks q (n a multiple
 // of 64): what gemm_bf16_blocks(x, q, None, 2n, tiles) then silu_and_mul give, in one pass.
 torch::Tensor gemm_bf16_blocks_silu(const torch::Tensor& x, const torch::Tensor& q, int64_t n, bool tiles) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm_bf16: x [M, K] bf16, rows contiguous");
-  TORCH_CHECK(!tiles || amx_block_rows() > 0, "gemm_bf16: built without AMX tiles, or not let use them");
-  TORCH_CHECK(x.size(0) <= (tiles ? kAmxManyRowsMax : kBlockRowsMax) && built_with_avx512_bf16(),
-              "gemm_bf16: blocks serve at most ", tiles ? kAmxManyRowsMax : kBlockRowsMax, " rows, with AVX512-BF16");
+  check_block_rows(x, tiles);
   TORCH_CHECK(n > 0 && n % kCols == 0, "gemm_bf16_blocks_silu: n must be a multiple of ", kCols);
   check_blocks(x, q, 2 * n);
   auto y = torch::empty({x.size(0), n}, x.options());
